@@ -1,0 +1,71 @@
+# labkit: `make lab` to learn, `make test` to check everything.
+# Both create .venv from pyproject.toml + constraints.txt the first time, and again only
+# when one of those two files changes (the stamp's name is their hash).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+HOST    ?= 127.0.0.1
+PORT    ?= 8888
+EXTRAS  ?= tensorflow,dev
+# Seconds a single notebook cell may run before nbval gives up on it (the 180 s per-notebook
+# budget is enforced separately by tests/notebook_budget.py).
+CELL_TIMEOUT ?= 600
+
+PY    := $(VENV)/bin/python
+HASH  := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.labkit-installed-$(HASH)
+# One BLAS/OpenMP thread per process: notebooks start several workers on 2 cores, and
+# oversubscribed threads make every timing meaningless.
+SINGLE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
+
+.PHONY: help install lab test lint unit notebooks bench lock clean
+
+help:
+	@echo "make lab    start JupyterLab on notebooks/ (HOST=$(HOST) PORT=$(PORT))"
+	@echo "make test   lint, unit tests, every notebook in the smoke profile"
+	@echo "make bench  run the benchmarks and print their figures"
+
+install: $(STAMP)
+
+$(STAMP):
+	@echo ">> installing labkit into $(VENV) (first run, or pyproject/constraints changed)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt pip
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable ".[$(EXTRAS)]"
+	@rm -f $(VENV)/.labkit-installed-*
+	@touch $@
+	@echo ">> $(VENV) ready"
+
+lab: install
+	$(PY) -m labkit lab --host $(HOST) --port $(PORT) --root notebooks
+
+test: install lint unit notebooks
+
+lint: install
+	$(PY) -m ruff check labkit tests
+
+unit: install
+	$(SINGLE_THREAD) $(PY) -m pytest tests
+
+notebooks: install
+ifeq ($(NOTEBOOKS),)
+	@echo ">> no notebooks yet"
+else
+	LABKIT_PROFILE=smoke $(SINGLE_THREAD) $(PY) -m pytest -p tests.notebook_budget \
+		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS)
+endif
+
+bench: install
+	$(SINGLE_THREAD) $(PY) -m labkit bench
+
+# Re-resolve constraints.txt from pyproject's ranges in a scratch venv.
+lock:
+	rm -rf /tmp/labkit-lock && $(PYTHON) -m venv /tmp/labkit-lock
+	/tmp/labkit-lock/bin/pip install --quiet "pip==26.3"
+	/tmp/labkit-lock/bin/pip install --quiet --editable ".[$(EXTRAS)]"
+	{ sed -n '1,3p' constraints.txt; echo "pip==26.3"; /tmp/labkit-lock/bin/pip freeze --exclude-editable; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf /tmp/labkit-lock
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
