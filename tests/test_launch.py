@@ -1,0 +1,492 @@
+"""labkit.launch on CPU ranks (gloo): results, live output, failures, timeouts, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import psutil
+import pytest
+
+import labkit
+from labkit import LaunchError, LaunchTimeout, launch
+
+# Ship this module's functions by value, as a notebook's are.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def workers_of(controller_pid: int) -> list[psutil.Process]:
+    """Every process that a given controller started, found by the variable labkit gives them."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("LABKIT_CONTROLLER_PID") == str(controller_pid):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_no_workers(controller_pid: int, within: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + within
+    while (left := workers_of(controller_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def controller_script(tmp_path: Path, body: str) -> Path:
+    """A script whose functions live in __main__, as a notebook's do."""
+    script = tmp_path / "controller.py"
+    script.write_text("import os, sys, time\nimport labkit\n" + textwrap.dedent(body))
+    return script
+
+
+def run_controller(script: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=kw.pop("timeout", 120), cwd=script.parent, **kw)
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """A temp folder of this test's own, for launches here and in controller subprocesses."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+# ---- results -----------------------------------------------------------------------------
+
+
+def test_main_function_and_closure_run_on_two_workers(tmp_path):
+    script = controller_script(tmp_path, """
+        import torch, torch.distributed as dist
+
+        def total(x):
+            t = torch.tensor([x + dist.get_rank()])
+            dist.all_reduce(t)
+            return {"rank": dist.get_rank(), "sum": t, "world": dist.get_world_size()}
+
+        offset = 100
+        closure = lambda: offset + dist.get_rank()
+
+        res = labkit.launch(total, 10, nproc=2)
+        print("VALUES", [(v["rank"], v["sum"].item(), v["world"]) for v in res.values])
+        print("CLOSURE", labkit.launch(closure, nproc=2).values)
+        print("LOGS", sorted(res.logs), res.backend)
+    """)
+    out = run_controller(script)
+    assert out.returncode == 0, out.stderr
+    assert "VALUES [(0, 21, 2), (1, 21, 2)]" in out.stdout
+    assert "CLOSURE [100, 101]" in out.stdout
+    assert "LOGS [] gloo" in out.stdout  # the workers printed nothing
+
+
+def test_worker_output_streams_while_the_run_goes_on(tmp_path):
+    script = controller_script(tmp_path, """
+        def chatty():
+            print("first", flush=True)
+            time.sleep(3)
+            print("second")
+            return 1
+
+        res = labkit.launch(chatty, nproc=1)
+        print("DONE", res.logs)
+    """)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    arrived = {}
+    for line in proc.stdout:
+        arrived.setdefault(line.split(" ")[0] + " " + line.split(" ")[1].strip(), time.monotonic())
+    assert proc.wait(60) == 0
+    first, second = arrived["[rank0] first"], arrived["[rank0] second"]
+    assert second - first >= 2.5, "the first line waited for the end of the run"
+    assert "DONE {0:" in next(k for k in arrived if k.startswith("DONE"))
+
+
+def test_show_ranks_filters_and_says_so(capsys):
+    res = launch(print_rank, nproc=2, show_ranks=1)
+    out = capsys.readouterr().out
+    assert "[rank1] I am 1" in out and "[rank0]" not in out
+    assert "showing rank(s) [1] only" in out
+    assert res.logs[0] == ["I am 0"], "hidden lines are still kept"
+
+
+def print_rank():
+    import torch.distributed as dist
+
+    print("I am", dist.get_rank())
+
+
+def test_script_mode_runs_a_file_with_its_arguments(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("args", sys.argv[1:], "world", dist.get_world_size())
+    """))
+    res = launch(str(script), "--epochs", "1", nproc=2)
+    assert res.values == [None, None]
+    assert res.logs[1] == ["args ['--epochs', '1'] world 2"]
+
+
+def test_script_that_exits_nonzero_is_a_failure(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(LaunchError, match="SystemExit"):
+        launch(script, nproc=1)
+
+
+# ---- failures, hangs, interrupts -----------------------------------------------------------
+
+
+def test_exception_on_rank_1_names_the_rank_and_leaves_no_process(tmp_path):
+    script = controller_script(tmp_path, """
+        import torch.distributed as dist
+
+        def boom():
+            if dist.get_rank() == 1:
+                raise ValueError("boom")
+            time.sleep(60)
+
+        print("PID", os.getpid(), flush=True)
+        try:
+            labkit.launch(boom, nproc=2)
+        except labkit.LaunchError as e:
+            print("RANK", e.rank)
+            print("MESSAGE", str(e).replace(chr(10), " | "))
+            print("ENDED", time.time(), flush=True)
+            time.sleep(8)  # stay alive: the check below looks for this controller's workers
+    """)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    lines = {}
+    for line in proc.stdout:
+        key, _, rest = line.partition(" ")
+        lines[key] = rest.strip()
+        if key == "ENDED":
+            break
+    pid = int(lines["PID"])
+    assert lines["RANK"] == "1"
+    assert "rank 1 failed with ValueError: boom" in lines["MESSAGE"]
+    assert 'raise ValueError("boom")' in lines["MESSAGE"], "the traceback shows the user's source"
+    assert not wait_no_workers(pid, within=5.0), "workers outlived the failed run"
+    proc.kill()
+    proc.wait()
+
+
+def test_timeout_names_the_stuck_rank_with_its_stack(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(skip_collective_on_rank_1, nproc=2, timeout=10)
+    assert time.monotonic() - start < 25
+    err = info.value
+    assert err.stuck == [0]
+    assert "Stuck rank(s): 0" in str(err)
+    assert "in all_reduce" in err.stacks[0] and "skip_collective_on_rank_1" in err.stacks[0]
+    assert "_watch_controller" not in err.stacks[0], "labkit's own threads are left out"
+    assert not wait_no_workers(os.getpid(), within=5.0)
+
+
+def skip_collective_on_rank_1():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("how", ["interrupt", "sigkill"])
+def test_no_worker_survives_the_controller(tmp_path, private_tmp, how):
+    script = controller_script(tmp_path, """
+        def slow():
+            print("started", flush=True)
+            time.sleep(120)
+
+        print("PID", os.getpid(), flush=True)
+        try:
+            labkit.launch(slow, nproc=2)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    pid = None
+    for line in proc.stdout:
+        if line.startswith("PID"):
+            pid = int(line.split()[1])
+        if "started" in line:
+            break
+    assert len(workers_of(pid)) >= 3, "torchrun and two workers should be running"
+    if how == "interrupt":
+        proc.send_signal(signal.SIGINT)  # what a Jupyter kernel interrupt does
+        assert "INTERRUPTED" in proc.stdout.read()
+    else:
+        proc.kill()
+    proc.wait(30)
+    time.sleep(10)
+    assert not workers_of(pid), f"workers survived the controller ({how})"
+    assert not list(private_tmp.glob("labkit-run-*")), "the run folder outlived the controller"
+
+
+# ---- many runs -----------------------------------------------------------------------------
+
+
+def test_two_launches_at_once_do_not_clash():
+    results = {}
+
+    def go(i):
+        results[i] = launch(rank_times, i, nproc=2, show_ranks=[]).values
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {1: [0, 1], 2: [0, 2]}
+
+
+def rank_times(k):
+    import torch.distributed as dist
+
+    return dist.get_rank() * k
+
+
+@pytest.mark.slow
+def test_twenty_launches_leave_nothing_behind(private_tmp):
+    me = psutil.Process()
+    launch(rank_times, 1, nproc=1)  # warm caches before counting descriptors
+    fds_before = me.num_fds()
+    for _ in range(20):
+        assert launch(rank_times, 1, nproc=1).values == [0]
+    assert me.num_fds() <= fds_before
+    assert not list(private_tmp.iterdir())
+    assert not workers_of(os.getpid())
+
+
+def test_keep_run_dir_keeps_it_private(capsys):
+    launch(rank_times, 1, nproc=1, keep_run_dir=True)
+    kept = Path(capsys.readouterr().out.split("run folder kept: ")[1].split()[0])
+    try:
+        assert (kept.stat().st_mode & 0o777) == 0o700
+        assert (kept / "result-0.pkl").exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(kept)
+
+
+# ---- frameworks and nodes ------------------------------------------------------------------
+
+
+def test_tensorflow_multiworker_mirrored_strategy_trains_the_same_weights():
+    values = launch(train_keras_mwms, nproc=2, framework="tensorflow", timeout=180,
+                    show_ranks=[]).values
+    import numpy as np
+
+    (w0, loss0, torch0), (w1, loss1, torch1) = values
+    assert not torch0 and not torch1, "a TensorFlow worker imported torch"
+    assert loss0 == pytest.approx(loss1)
+    assert all(np.allclose(a, b) for a, b in zip(w0, w1, strict=True))
+
+
+def train_keras_mwms():
+    import json
+
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+        opt = tf.keras.optimizers.SGD(0.1)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    x = tf.random.stateless_normal((64, 4), seed=(task, 1))  # each worker its own data
+    y = tf.reduce_sum(x, 1, keepdims=True)
+    data = iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()))
+
+    @tf.function
+    def step(batches):
+        def replica(batch):
+            xb, yb = batch
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+        return strategy.reduce("MEAN", strategy.run(replica, args=(next(batches),)), axis=None)
+
+    for _ in range(5):
+        loss = step(data)
+    return [w.numpy() for w in model.trainable_variables], float(loss), "torch" in sys.modules
+
+
+def test_two_nodes_on_loopback_all_reduce(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = controller_script(tmp_path, f"""
+        import torch, torch.distributed as dist
+        node = int(sys.argv[1])
+
+        def total():
+            t = torch.tensor([dist.get_rank() + 1])
+            dist.all_reduce(t)
+            return dist.get_rank(), dist.get_world_size(), t.item()
+
+        res = labkit.launch(total, nproc=1, nnodes=2, node_rank=node,
+                            rdzv_endpoint="127.0.0.1:{port}", timeout=90)
+        print("RESULT", res.values)
+    """)
+    nodes = [subprocess.Popen([sys.executable, str(script), str(n)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=tmp_path) for n in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), outs
+    results = sorted(line for out in outs for line in out.splitlines() if line.startswith("RESULT"))
+    assert results == ["RESULT [(0, 2, 3)]", "RESULT [(1, 2, 3)]"]
+    assert "--node-rank 1" in outs[0], "node 0 prints the command for the other node"
+
+
+# ---- the %%distributed magic and the CLI -------------------------------------------------------
+
+
+def test_distributed_cell_magic_sends_and_brings_back_variables():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("%load_ext labkit", store_history=False).raise_error()
+        shell.user_ns["x"] = 10
+        shell.run_cell("%%distributed -n 2 --in x --out total,me\n"
+                       "t = torch.tensor([x + rank]); dist.all_reduce(t)\n"
+                       "total = t.item(); me = rank\n").raise_error()
+        assert shell.user_ns["total"] == [21, 21]
+        assert shell.user_ns["me"] == [0, 1]
+        with pytest.raises(NameError, match="not defined in the notebook"):
+            shell.run_cell("%%distributed -n 1 --in nowhere\npass\n").raise_error()
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_cli_launch_runs_a_script_and_reports_failure(tmp_path):
+    good = tmp_path / "good.py"
+    good.write_text("import os\nprint('hi from', os.environ['RANK'])\n")
+    out = subprocess.run([sys.executable, "-m", "labkit", "launch", "-n", "2", str(good)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[rank0] hi from 0" in out.stdout and "[rank1] hi from 1" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "labkit", "launch", str(tmp_path / "missing.py")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no script at" in out.stderr
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
+def test_nproc_below_one_or_not_whole(nproc):
+    with pytest.raises(ValueError, match="nproc must be a whole number >= 1"):
+        launch(rank_times, 1, nproc=nproc)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown backend 'mpi'.*auto, gloo, nccl"):
+        launch(rank_times, 1, backend="mpi")
+
+
+def test_unknown_framework():
+    with pytest.raises(ValueError, match="unknown framework 'jax'"):
+        launch(rank_times, 1, framework="jax")
+
+
+@pytest.mark.parametrize("timeout", [0, -5])
+def test_timeout_not_positive(timeout):
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        launch(rank_times, 1, timeout=timeout)
+
+
+def test_nccl_without_gpus(monkeypatch):
+    monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda: 0)
+    with pytest.raises(ValueError, match="needs CUDA GPUs.*backend='gloo'"):
+        launch(rank_times, 1, backend="nccl")
+
+
+def test_nccl_with_fewer_gpus_than_ranks(monkeypatch):
+    monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda: 1)
+    with pytest.raises(ValueError, match="one GPU per local rank: nproc=2 but 1 GPU"):
+        launch(rank_times, 1, nproc=2, backend="nccl")
+
+
+def test_auto_backend_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
+    from labkit.launcher import _validate
+
+    for gpus, nproc, expected in [(0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl")]:
+        monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda g=gpus: g)
+        job, _ = _validate(rank_times, (), {}, nproc, "auto", None, "torch", 1, 0, None)
+        assert job["backend"] == expected, (gpus, nproc)
+
+
+def test_unpicklable_argument_is_named():
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"argument 1 \(lock\)"):
+        launch(rank_times, 1, lock, nproc=1)
+    with pytest.raises(TypeError, match="keyword argument 'guard'"):
+        launch(rank_times, 1, nproc=1, guard=lock)
+
+
+def test_unpicklable_function_is_named():
+    lock = threading.Lock()
+
+    def uses_lock():
+        return lock
+
+    with pytest.raises(TypeError, match="the function .*uses_lock"):
+        launch(uses_lock, nproc=1)
+
+
+def test_missing_script():
+    with pytest.raises(FileNotFoundError, match="no script at 'nope.py'.*%%writefile"):
+        launch("nope.py", nproc=1)
+
+
+def test_not_a_function():
+    with pytest.raises(TypeError, match="needs a function or a script path"):
+        launch(42)
+
+
+def test_multi_node_needs_an_endpoint():
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        launch(rank_times, 1, nnodes=2, node_rank=1)
+    with pytest.raises(ValueError, match="0 <= node_rank < nnodes"):
+        launch(rank_times, 1, nnodes=2, node_rank=2, rdzv_endpoint="127.0.0.1:1")
+
+
+def test_unpicklable_return_value_names_the_rank():
+    with pytest.raises(LaunchError, match="return value of rank 0 .*cannot be pickled") as info:
+        launch(return_a_lock, nproc=1)
+    assert info.value.rank == 0
+
+
+def return_a_lock():
+    return threading.Lock()
+
+
+def test_import_labkit_stays_light():
+    out = subprocess.run(
+        [sys.executable, "-c", "import labkit, sys; labkit.launch; labkit.LaunchError; "
+         "print('torch' in sys.modules, 'tensorflow' in sys.modules)"],
+        capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+    assert issubclass(labkit.LaunchTimeout, labkit.LaunchError)
