@@ -117,6 +117,7 @@ def launch(
     Raises :class:`LaunchError` naming the first failing rank with its traceback, and
     :class:`LaunchTimeout` (with every stuck rank's stack) when ``timeout`` seconds pass.
     """
+    __tracebackhide__ = True  # IPython shows the LaunchError, not the controller's frames
     job, gpus = _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node_rank,
                           rdzv_endpoint)
     run_dir = Path(tempfile.mkdtemp(prefix="labkit-run-"))  # mkdtemp makes it 0700
@@ -327,6 +328,7 @@ def _start(run_dir: Path, command: list[str], env: dict) -> _Run:
 
 def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -> LaunchResult:
     """Stream output, watch for failure and timeout, and always leave no process behind."""
+    __tracebackhide__ = True
     show = None if show_ranks is None else (
         {show_ranks} if isinstance(show_ranks, int) else set(show_ranks))
     if show is not None:
