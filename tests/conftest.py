@@ -1,0 +1,38 @@
+"""Shared test setup: headless matplotlib, and `gpu`-marked tests skipped where CUDA is absent."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Figures in tests are rendered off-screen; no display is needed (or wanted) in CI.
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_gpus() -> int:
+    """How many CUDA GPUs torch can use, asked in a subprocess so this process stays CUDA-free."""
+    from labkit.profile import visible_gpu_count
+
+    if visible_gpu_count() == 0:  # no driver device files: skip the torch start-up entirely
+        return 0
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True, text=True, timeout=120,
+        )
+        return int(out.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and cuda_gpus() == 0:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+        for item in gpu_items:
+            item.add_marker(skip)
