@@ -366,7 +366,7 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
         error = _first_error(run.run_dir)
         if error is not None or run.proc.returncode != 0:
             raise _failure(error, run.proc.returncode, agent_log, logs)
-        values = _collect(run.run_dir, job, logs)
+        values = _collect(run.run_dir)
         return LaunchResult(values, seconds, logs, nproc, job["backend"], command, agent_log)
     except KeyboardInterrupt:
         stopped = _stop(run)
@@ -505,7 +505,7 @@ def _failure(error: dict | None, returncode: int, agent_log: list, logs: dict) -
         f"was killed (out of memory?) or crashed in native code. torchrun said:\n{said}", logs=logs)
 
 
-def _collect(run_dir: Path, job: dict, logs: dict) -> list:
+def _collect(run_dir: Path) -> list:
     import cloudpickle
 
     values = []

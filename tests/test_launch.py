@@ -114,18 +114,21 @@ def test_worker_output_streams_while_the_run_goes_on(tmp_path):
     assert "DONE {0:" in next(k for k in arrived if k.startswith("DONE"))
 
 
-def test_show_ranks_filters_and_says_so(capsys):
-    res = launch(print_rank, nproc=2, show_ranks=1)
+def test_show_ranks_filters_and_a_quiet_run_shows_progress(capsys, monkeypatch):
+    monkeypatch.setattr("labkit.launcher._HEARTBEAT", 0.5)
+    res = launch(print_rank_then_wait, nproc=2, show_ranks=1)
     out = capsys.readouterr().out
     assert "[rank1] I am 1" in out and "[rank0]" not in out
     assert "showing rank(s) [1] only" in out
     assert res.logs[0] == ["I am 0"], "hidden lines are still kept"
+    assert "s elapsed, 2 of 2 rank(s) still running" in out
 
 
-def print_rank():
+def print_rank_then_wait():
     import torch.distributed as dist
 
-    print("I am", dist.get_rank())
+    print("I am", dist.get_rank(), flush=True)
+    time.sleep(2)
 
 
 def test_script_mode_runs_a_file_with_its_arguments(tmp_path, capsys):
@@ -323,8 +326,8 @@ def train_keras_mwms():
             xb, yb = batch
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((model(xb) - yb) ** 2)
-            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                    model.trainable_variables))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
         return strategy.reduce("MEAN", strategy.run(replica, args=(next(batches),)), axis=None)
 
@@ -490,3 +493,23 @@ def test_import_labkit_stays_light():
         capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
     assert issubclass(labkit.LaunchTimeout, labkit.LaunchError)
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_get_their_own_gpu_and_results_come_back_on_cpu():
+    import torch
+
+    n = min(2, torch.cuda.device_count())
+    values = launch(cuda_all_reduce, nproc=n, backend="nccl").values
+    assert [v["device"] for v in values] == [f"cuda:{r}" for r in range(n)]
+    assert all(v["sum"].device.type == "cpu" and v["sum"].item() == n for v in values)
+    assert all(v["backend"] == "nccl" for v in values)
+
+
+def cuda_all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    return {"device": str(t.device), "sum": t, "backend": dist.get_backend()}
