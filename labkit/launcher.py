@@ -331,7 +331,7 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
     __tracebackhide__ = True
     show = None if show_ranks is None else (
         {show_ranks} if isinstance(show_ranks, int) else set(show_ranks))
-    if show is not None:
+    if show:  # an empty filter asks for silence: nothing to announce
         print(f"[labkit] showing rank(s) {sorted(show)} only; the others are hidden "
               "(all lines are in result.logs)")
     logs: dict[int, list[str]] = {}
