@@ -1,0 +1,178 @@
+"""Training loops the notebooks share: one epoch, evaluation, and ``fit`` with a history.
+
+Kept apart from :mod:`labkit.models` (models hold no loops) so the same loop trains on one
+process and, in later notebooks, inside DDP workers. Results are plain data: ``fit`` returns a
+list of per-epoch dicts that :func:`labkit.plots.training_curves` draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device"]
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """What ``fit`` needs besides the model and the data.
+
+    ``amp`` is ``None``, ``"bf16"`` or ``"fp16"`` (fp16 uses a GradScaler; both only pay on
+    GPUs). ``warmup_epochs`` ramps the learning rate linearly from ``lr / 10``.
+    """
+
+    epochs: int = 10
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    optimizer: str = "sgd"
+    warmup_epochs: int = 0
+    amp: str | None = None
+    channels_last: bool = False
+    device: str = "auto"
+
+    def __post_init__(self):
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {self.optimizer!r}")
+        if self.amp not in (None, "bf16", "fp16"):
+            raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {self.amp!r}")
+
+
+def pick_device(name: str = "auto"):
+    """``"auto"``: this process's CUDA device when there is one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    return torch.device(name)
+
+
+def _autocast(device, amp: str | None):
+    import contextlib
+
+    import torch
+
+    if amp is None:
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def train_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
+                channels_last=False) -> tuple[float, float]:
+    """One pass over ``loader``; returns the mean loss and the accuracy seen while training."""
+    import torch
+    import torch.nn.functional as F
+
+    model.train()
+    total_loss, correct, seen = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with _autocast(device, amp):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        total_loss += loss.item() * len(y)
+        correct += (logits.argmax(1) == y).sum().item()
+        seen += len(y)
+    return total_loss / seen, correct / seen
+
+
+def evaluate(model, loader, device, *, amp=None, channels_last=False) -> tuple[float, float]:
+    """Mean loss and accuracy of ``model`` on ``loader``, without gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    total_loss, correct, seen = 0.0, 0, 0
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with _autocast(device, amp):
+                logits = model(x)
+            total_loss += F.cross_entropy(logits.float(), y, reduction="sum").item()
+            correct += (logits.argmax(1) == y).sum().item()
+            seen += len(y)
+    return total_loss / seen, correct / seen
+
+
+def _optimizer(model, cfg: TrainConfig):
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("every parameter is frozen: unfreeze at least the head before training")
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _warmup_lr(cfg: TrainConfig, epoch: int) -> float:
+    """Linear warm-up from lr/10 over ``warmup_epochs`` (Goyal et al.), then constant."""
+    if epoch >= cfg.warmup_epochs:
+        return cfg.lr
+    return cfg.lr * (0.1 + 0.9 * epoch / cfg.warmup_epochs)
+
+
+def fit(model, train_loader, val_loader, config: TrainConfig | None = None, *,
+        train_eval_loader=None,
+        on_epoch: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Train ``model`` for ``config.epochs`` and return one dict per epoch.
+
+    Each dict holds ``epoch, train_loss, train_acc, val_loss, val_acc, lr, seconds``;
+    ``on_epoch(history)`` is called after every epoch (e.g. to redraw a live plot).
+    ``train_acc`` is measured while training, on augmented batches with dropout on; pass
+    ``train_eval_loader`` (the training images, not augmented) to measure it like ``val_acc``
+    instead, which is the fair way to compare the train-validation gap of two pipelines.
+
+    Example::
+
+        >>> history = fit(model, train_loader, val_loader, TrainConfig(epochs=5, lr=0.05))
+        >>> history[-1]["val_acc"]
+        0.93
+    """
+    import torch
+
+    cfg = config or TrainConfig()
+    device = pick_device(cfg.device)
+    model.to(device)
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    optimizer = _optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None
+    history: list[dict] = []
+    for epoch in range(cfg.epochs):
+        lr = _warmup_lr(cfg, epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        train_loss, train_acc = train_epoch(model, train_loader, optimizer, device, amp=cfg.amp,
+                                            scaler=scaler, channels_last=cfg.channels_last)
+        val_loss, val_acc = evaluate(model, val_loader, device, amp=cfg.amp,
+                                     channels_last=cfg.channels_last)
+        if train_eval_loader is not None:
+            train_loss, train_acc = evaluate(model, train_eval_loader, device, amp=cfg.amp,
+                                             channels_last=cfg.channels_last)
+        history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
+                        "val_loss": val_loss, "val_acc": val_acc, "lr": lr,
+                        "seconds": time.perf_counter() - start})
+        if on_epoch is not None:
+            on_epoch(history)
+    return history
