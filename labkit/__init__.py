@@ -22,7 +22,7 @@ _LAZY = {
     "LaunchResult": ".launcher",
 }
 
-_LAZY_MODULES = ("doctor", "bench", "plots")
+_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

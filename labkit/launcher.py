@@ -273,6 +273,9 @@ def _torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
     return [
         sys.executable, "-c", _AGENT_BOOT, str(os.getpid()),
         *where, "--nproc-per-node", str(nproc), "--max-restarts", "0", "--monitor-interval", "0.1",
+        # torchrun's own log folder goes inside the run folder: by default it leaves a
+        # torchelastic_* folder in /tmp behind on every run.
+        "--log-dir", str(run_dir / "torchelastic"),
         "-m", "labkit._worker", str(run_dir),
     ]
 
