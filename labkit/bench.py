@@ -12,12 +12,14 @@ Python. Results are plain dicts so they can be printed, saved and handed to
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 import time
 
 __all__ = ["message_sizes", "bus_bandwidth", "fit_alpha_beta", "check_allreduce",
-           "allreduce_sweep", "launch_overhead", "main"]
+           "allreduce_sweep", "launch_overhead", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
+           "vgg16_flops", "vgg16_throughput", "main"]
 
 _FLOAT32 = 4  # bytes per element of the tensors the sweep reduces
 
@@ -244,7 +246,7 @@ def launch_overhead(repeats: int = 5, nproc: int = 2) -> dict:
         with open(script, "w") as f:
             f.write(_BARE_SCRIPT)
         bare = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}", script]
+                f"--nproc-per-node={nproc}", f"--log-dir={tmp}/logs", script]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
         def time_launch():
@@ -290,11 +292,230 @@ def _fmt_list(xs) -> str:
     return " ".join(f"{x:.2f}" for x in xs)
 
 
-BENCHMARKS = ("launch", "allreduce")
+# ---- VGG16 training throughput and model FLOP utilisation (MFU) --------------------------------
+
+VGG16_VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile")
+
+# Dense peak TFLOP/s per math precision, from NVIDIA's data sheets (the sparsity figures halved).
+# Matched in order against torch.cuda.get_device_name(): the first pattern found wins, so the
+# NVL and PCIe parts come before the SXM parts whose names they contain.
+PEAK_TFLOPS = (
+    (r"H[12]00 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    (r"H[12]00", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),     # SXM
+    (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"L40S", {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+)
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The GPU's dense peak TFLOP/s at ``precision`` (bf16, tf32, fp32); None when unknown.
+
+    Example::
+
+        >>> peak_tflops("NVIDIA H200", "bf16"), peak_tflops("cpu", "fp32")
+        (989.4, None)
+    """
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            return peaks.get(precision)
+    return None
+
+
+def vgg16_flops(image_size: int = 224, width: float = 1.0, num_classes: int = 1000) -> int:
+    """Forward FLOPs of one image through ``labkit.models.vgg16``: 2 x the multiply-adds.
+
+    Counts the 13 convolutions and 3 linear layers (pooling, ReLU and biases are noise). A
+    training step costs about 3x this: the backward pass computes two products per layer.
+
+    Example::
+
+        >>> round(vgg16_flops() / 1e9, 1)       # 15.5 GMACs
+        31.0
+    """
+    from .models import _CFG, MIN_IMAGE_SIZE, _scaled
+
+    if not isinstance(image_size, int) or image_size < MIN_IMAGE_SIZE:
+        raise ValueError(f"image_size must be an int >= {MIN_IMAGE_SIZE} (VGG16's five 2x2 "
+                         f"poolings), got {image_size!r}")
+    if not width > 0:
+        raise ValueError(f"width must be > 0, got {width}")
+    size, channels, macs = image_size, 3, 0
+    for item in _CFG:
+        if item == "M":
+            size //= 2
+            continue
+        out = _scaled(item, width)
+        macs += size * size * out * channels * 9  # 3x3 kernel, padding 1: same size out
+        channels = out
+    hidden = _scaled(4096, width)
+    macs += channels * 7 * 7 * hidden + hidden * hidden + hidden * num_classes
+    return 2 * macs
+
+
+def _vgg16_defaults(device_type: str) -> dict:
+    """Full size on a GPU; on a CPU a VGG16 1/8 as wide at 64 px, so a run takes ~20 s."""
+    if device_type == "cuda":
+        return {"image_size": 224, "batch_size": 128, "width": 1.0, "steps": 20, "warmup": 5,
+                "repeats": 3}
+    return {"image_size": 64, "batch_size": 8, "width": 1 / 8, "steps": 3, "warmup": 1,
+            "repeats": 1}
+
+
+def _time_vgg16_variant(variant: str, device, cfg: dict) -> float:
+    """Median seconds of one training step (forward, backward, SGD) in ``variant``."""
+    import torch
+    import torch.nn.functional as F
+
+    from .models import vgg16
+
+    torch.manual_seed(0)
+    model = vgg16(cfg["num_classes"], width=cfg["width"], image_size=cfg["image_size"]).to(device)
+    x = torch.randn(cfg["batch_size"], 3, cfg["image_size"], cfg["image_size"], device=device)
+    y = torch.randint(0, cfg["num_classes"], (cfg["batch_size"],), device=device)
+    if "channels_last" in variant:  # NHWC: the layout tensor-core convolutions read directly
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    forward = torch.compile(model) if "compile" in variant else model
+    bf16 = "bf16" in variant
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(forward(x), y)
+        loss.backward()
+        optimizer.step()
+
+    def sync():
+        if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
+            torch.cuda.synchronize(device)
+
+    for _ in range(cfg["warmup"]):  # cuDNN autotuning, allocator, compilation
+        step()
+    sync()
+    times = []
+    for _ in range(cfg["repeats"]):
+        start = time.perf_counter()
+        for _ in range(cfg["steps"]):
+            step()
+        sync()
+        times.append((time.perf_counter() - start) / cfg["steps"])
+    return statistics.median(times)
+
+
+def _skip_reason(variant: str, device) -> str | None:
+    import torch
+
+    if "compile" in variant and device.type != "cuda":
+        return "torch.compile is measured on GPUs only (on a CPU it compiles for minutes)"
+    if "bf16" in variant and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support"
+    return None
+
+
+def vgg16_throughput(variants=VGG16_VARIANTS, *, device=None, image_size: int | None = None,
+                     batch_size: int | None = None, width: float | None = None,
+                     num_classes: int = 1000, steps: int | None = None,
+                     warmup: int | None = None, repeats: int | None = None) -> list[dict]:
+    """Images/s, TFLOP/s and MFU of a VGG16 training step in each of ``variants``.
+
+    Variants: ``fp32`` (on GPUs PyTorch's default runs convolutions in TF32), ``bf16``
+    (autocast), ``bf16+channels_last`` and ``bf16+channels_last+compile``. Defaults: the first
+    GPU at 224 px, batch 128, full width; else the CPU at 64 px, batch 8, width 1/8. A row that
+    cannot run says why in ``skipped``. Each variant runs ``warmup`` untimed steps, then
+    ``repeats`` timings of ``steps`` steps (the median counts). MFU is achieved FLOP/s
+    (3 x forward FLOPs per image) over the GPU's dense peak at that precision; None when the
+    peak is unknown (any CPU).
+
+    Example::
+
+        >>> rows = vgg16_throughput(["fp32", "bf16"])
+        >>> rows[0]["variant"], rows[0]["images_per_s"] > 0
+        ('fp32', True)
+    """
+    import torch
+
+    unknown = [v for v in variants if v not in VGG16_VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"unknown VGG16 variant {unknown[0] if unknown else None!r}: choose "
+                         f"from {', '.join(VGG16_VARIANTS)}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cfg = _vgg16_defaults(device.type)
+    given = {"image_size": image_size, "batch_size": batch_size, "width": width, "steps": steps,
+             "warmup": warmup, "repeats": repeats}
+    cfg.update({k: v for k, v in given.items() if v is not None}, num_classes=num_classes)
+    for key in ("batch_size", "steps", "repeats"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"{key} must be a positive int, got {cfg[key]!r}")
+    if not isinstance(cfg["warmup"], int) or cfg["warmup"] < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {cfg['warmup']!r}")
+    flops_per_image = 3 * vgg16_flops(cfg["image_size"], cfg["width"], num_classes)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    rows = []
+    for variant in variants:
+        precision = "bf16" if "bf16" in variant else "fp32"
+        if precision == "fp32" and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
+            precision = "tf32"  # the convolutions, nearly all the FLOPs, run on tensor cores
+        row = {"variant": variant, "device": str(device), "device_name": name,
+               "image_size": cfg["image_size"], "width": cfg["width"],
+               "batch_size": cfg["batch_size"], "precision": precision,
+               "train_flops_per_image": flops_per_image, "peak_tflops": peak_tflops(name, precision),
+               "step_s": None, "images_per_s": None, "tflops": None, "mfu": None,
+               "skipped": _skip_reason(variant, device)}
+        rows.append(row)
+        if row["skipped"]:
+            continue
+        try:
+            seconds = _time_vgg16_variant(variant, device, cfg)
+        except Exception as exc:
+            if "compile" not in variant:
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            row["skipped"] = f"torch.compile failed: {type(exc).__name__}: {first}"
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row["step_s"] = seconds
+        row["images_per_s"] = cfg["batch_size"] / seconds
+        row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
+        if row["peak_tflops"]:
+            row["mfu"] = row["tflops"] / row["peak_tflops"]
+    return rows
+
+
+def _print_vgg16(rows: list[dict]) -> None:
+    r = rows[0]
+    print(f"VGG16 training step (forward + backward + SGD) on {r['device']} ({r['device_name']}): "
+          f"{r['image_size']} px, width {r['width']:g}, batch {r['batch_size']}")
+    print(f"  {r['train_flops_per_image'] / 3e9:.3g} GFLOP forward per image, 3x that per "
+          f"training step")
+    print(f"  {'variant':<28}  {'images/s':>9}  {'TFLOP/s':>8}  {'MFU':>6}  peak used")
+    for r in rows:
+        if r["skipped"]:
+            print(f"  {r['variant']:<28}  skipped: {r['skipped']}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        peak = (f"{r['precision']} {r['peak_tflops']:g} TFLOP/s" if r["peak_tflops"]
+                else f"{r['precision']}: no peak known for {r['device_name']}")
+        print(f"  {r['variant']:<28}  {r['images_per_s']:>9.1f}  {r['tflops']:>8.3g}  "
+              f"{mfu:>6}  {peak}")
+
+
+BENCHMARKS = ("launch", "allreduce", "vgg16")
 
 
 def main(which: str = "all", repeats: int = 5) -> int:
-    """``python -m labkit bench [all|launch|allreduce]``: run benchmarks and print their figures."""
+    """``python -m labkit bench [all|launch|allreduce|vgg16]``: run benchmarks, print their figures.
+
+    ``--repeats`` sets the launch benchmark's runs; vgg16 picks its sizes from the device.
+    """
     chosen = BENCHMARKS if which == "all" else (which,)
     unknown = [b for b in chosen if b not in BENCHMARKS]
     if unknown:
@@ -311,4 +532,6 @@ def main(which: str = "all", repeats: int = 5) -> int:
 
         sizes = message_sizes(1 << 10, 16 << 20)
         _print_allreduce(launch(allreduce_sweep, sizes, iters=10, nproc=2, show_ranks=[]).values[0])
+    if "vgg16" in chosen:  # in this process: one device, no workers needed
+        _print_vgg16(vgg16_throughput())
     return 0

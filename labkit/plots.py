@@ -6,7 +6,7 @@ a worker, a shell) matplotlib falls back to the Agg backend by itself.
 
 from __future__ import annotations
 
-__all__ = ["bandwidth_plot"]
+__all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -58,5 +58,231 @@ def bandwidth_plot(rows: list[dict], ax=None):
     ax.set_title(f"all-reduce bandwidth{who}")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+# ---- augmentation: one image under many random changes ----------------------------------------
+
+
+def _check_image(image):
+    """An H x W x 3 uint8 array (what skimage.data and PIL give), or a clear error."""
+    import numpy as np
+
+    arr = np.asarray(image)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3:
+        raise ValueError(f"image must be an H x W x 3 uint8 array (RGB), got shape "
+                         f"{arr.shape} and dtype {arr.dtype}: e.g. skimage.data.astronaut(), or "
+                         f"np.asarray(PIL.Image.open(path).convert('RGB'))")
+    return arr
+
+
+def _normalize_step(transform):
+    """The Normalize inside a (nested) Compose, so its output can be shown in true colours."""
+    from torchvision import transforms as v1
+    from torchvision.transforms import v2
+
+    if isinstance(transform, (v2.Normalize, v1.Normalize)):
+        return transform
+    for step in getattr(transform, "transforms", ()):
+        found = _normalize_step(step)
+        if found is not None:
+            return found
+    return None
+
+
+def _displayable(out, normalize_step):
+    """A transform's CHW output as an H x W x C float array on 0..1, for imshow."""
+    import torch
+
+    if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] not in (1, 3):
+        what = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"the transform must return a C x H x W tensor with 1 or 3 channels, "
+                         f"got {what}: build it with labkit.augment.augmentation(...)")
+    x = out.detach().cpu()
+    if x.dtype == torch.uint8:
+        x = x.float() / 255
+    elif normalize_step is not None:  # undo (x - mean) / std to see real colours
+        mean = torch.tensor(normalize_step.mean).view(-1, 1, 1)
+        std = torch.tensor(normalize_step.std).view(-1, 1, 1)
+        x = x.float() * std + mean
+    return x.float().clamp(0, 1).permute(1, 2, 0).squeeze(-1).numpy()
+
+
+def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
+    """The original image and ``n`` random augmentations of it, in a grid; returns the Figure.
+
+    ``image`` is an H x W x 3 uint8 array; ``transform`` takes a uint8 C x H x W tensor (as
+    ``labkit.augment.augmentation`` does). Normalised outputs are shown un-normalised. The same
+    ``seed`` draws the same augmentations, without touching the global random state.
+
+    Example::
+
+        >>> from skimage.data import astronaut
+        >>> from labkit.augment import augmentation
+        >>> fig = augmentation_grid(astronaut(), augmentation(128), n=8)
+    """
+    import math
+
+    import numpy as np
+    import torch
+    from matplotlib import pyplot as plt
+
+    arr = _check_image(image)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int (how many augmented copies), got {n!r}")
+    tensor = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
+    step = _normalize_step(transform)
+    with torch.random.fork_rng(devices=[]):  # the learner's own random stream stays untouched
+        torch.manual_seed(seed)
+        pictures = [_displayable(transform(tensor.clone()), step) for _ in range(n)]
+    cols = math.ceil(math.sqrt(n + 1))
+    rows = math.ceil((n + 1) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.8 * cols, 1.8 * rows), squeeze=False)
+    cells = list(axes.flat)
+    for ax, picture in zip(cells, [arr, *pictures], strict=False):
+        ax.imshow(picture, cmap="gray" if picture.ndim == 2 else None)
+        ax.set_axis_off()
+    for ax in cells[n + 1:]:
+        fig.delaxes(ax)
+    cells[0].set_title("original", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# slider: (label, min, max, step); "zoom" is 1 - the smallest crop area (AugmentConfig.scale).
+_SLIDERS = {
+    "rotation": ("rotation (deg)", 0, 90, 1),
+    "zoom": ("zoom", 0, 0.9, 0.05),
+    "translate": ("shift", 0, 0.5, 0.05),
+    "flip": ("flip p", 0, 1, 0.1),
+    "brightness": ("brightness", 0, 1, 0.05),
+    "contrast": ("contrast", 0, 1, 0.05),
+    "saturation": ("saturation", 0, 1, 0.05),
+    "hue": ("hue", 0, 0.5, 0.01),
+}
+
+
+def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, seed: int = 0):
+    """Sliders for every ``AugmentConfig`` setting over a live augmentation grid of ``image``.
+
+    Moving a slider redraws the grid (same seed, so only the changed setting moves things).
+    The returned VBox has a ``config()`` method giving the chosen ``AugmentConfig``, ready for
+    ``labkit.augment.augmentation(size, config=...)`` or ``gpu_augment``.
+
+    Example::
+
+        >>> from skimage.data import astronaut
+        >>> explorer = augmentation_explorer(astronaut())
+        >>> explorer                      # shows the sliders and the grid in the notebook
+        >>> config = explorer.config()    # after tuning by eye
+    """
+    import io
+
+    import ipywidgets as widgets
+    from matplotlib import pyplot as plt
+
+    from .augment import AugmentConfig, augmentation
+
+    arr = _check_image(image)
+    size = image_size or min(arr.shape[0], arr.shape[1], 160)  # small enough to redraw quickly
+    start = AugmentConfig()
+    values = {**{k: getattr(start, k) for k in _SLIDERS if k != "zoom"}, "zoom": 1 - start.scale[0]}
+    sliders = {key: widgets.FloatSlider(value=values[key], min=lo, max=hi, step=step,
+                                        description=label, continuous_update=False,
+                                        style={"description_width": "initial"})
+               for key, (label, lo, hi, step) in _SLIDERS.items()}
+    picture = widgets.Image(format="png")
+
+    def config():
+        settings = {k: s.value for k, s in sliders.items() if k != "zoom"}
+        return AugmentConfig(scale=(1 - sliders["zoom"].value, 1.0), **settings)
+
+    def redraw(_change=None):
+        transform = augmentation(size, kind="standard", config=config(), normalize=False)
+        fig = augmentation_grid(arr, transform, n=n, seed=seed)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        plt.close(fig)  # the picture widget shows it; pyplot must not show it a second time
+        picture.value = buffer.getvalue()
+
+    for slider in sliders.values():
+        slider.observe(redraw, names="value")
+    redraw()
+    half = (len(sliders) + 1) // 2
+    columns = [widgets.VBox(list(sliders.values())[:half]), widgets.VBox(list(sliders.values())[half:])]
+    box = widgets.VBox([widgets.HBox(columns), picture])
+    box.config = config
+    return box
+
+
+# ---- training curves ----------------------------------------------------------------------------
+
+_HISTORY_KEYS = ("epoch", "train_loss", "train_acc")
+
+
+def _runs(history) -> dict:
+    """``history`` as ``{label: rows}``: one unlabeled run, or several labelled ones."""
+    if isinstance(history, dict):
+        runs = dict(history)
+    elif isinstance(history, (list, tuple)):
+        runs = {"": list(history)}
+    else:
+        raise TypeError(f"history must be a list of per-epoch dicts, or a dict label -> such a "
+                        f"list, got {type(history).__name__}")
+    if not runs:
+        raise ValueError("history is empty: pass at least one run")
+    for label, rows in runs.items():
+        name = f"run {label!r}" if label else "history"
+        if not rows:
+            raise ValueError(f"{name} has no epochs yet: train at least one epoch first")
+        missing = [k for k in _HISTORY_KEYS if any(k not in r for r in rows)]
+        if missing:
+            raise ValueError(f"{name} lacks {missing}: each epoch needs epoch, train_loss, "
+                             f"train_acc (and val_loss, val_acc to draw validation)")
+    return runs
+
+
+def training_curves(history, ax=None):
+    """Loss and accuracy per epoch, train solid and validation dashed, the gap between shaded.
+
+    ``history`` is a list of dicts with ``epoch, train_loss, train_acc, val_loss, val_acc``
+    (the validation keys optional), or a dict ``label -> list`` to overlay runs, e.g.
+    augmentation against none. Draws on ``ax`` (a pair of Axes: loss, accuracy) when given.
+
+    Example::
+
+        >>> fig = training_curves({"no augmentation": plain, "augmentation": augmented})
+    """
+    from matplotlib import pyplot as plt
+
+    runs = _runs(history)
+    if ax is None:
+        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    else:
+        pair = list(ax) if isinstance(ax, (list, tuple)) or hasattr(ax, "flat") else [ax]
+        if len(pair) != 2 or not all(hasattr(a, "plot") for a in pair):
+            raise ValueError("ax must be a pair of Axes (loss, accuracy), e.g. "
+                             "fig, ax = plt.subplots(1, 2)")
+        ax_loss, ax_acc = pair
+        fig = ax_loss.figure
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, rows) in enumerate(runs.items()):
+        colour = colours[i % len(colours)]
+        epochs = [r["epoch"] for r in rows]
+        prefix = f"{label}: " if label else ""
+        for a, metric in ((ax_loss, "loss"), (ax_acc, "acc")):
+            train = [r[f"train_{metric}"] for r in rows]
+            a.plot(epochs, train, "o-", color=colour, markersize=3, label=f"{prefix}train")
+            if all(r.get(f"val_{metric}") is not None for r in rows):
+                val = [r[f"val_{metric}"] for r in rows]
+                a.plot(epochs, val, "s--", color=colour, markersize=3, label=f"{prefix}validation")
+                a.fill_between(epochs, train, val, color=colour, alpha=0.15, linewidth=0)
+    for a, name in ((ax_loss, "loss"), (ax_acc, "accuracy")):
+        a.set_xlabel("epoch")
+        a.set_ylabel(name)
+        a.set_title(f"{name} (shaded: train-validation gap)")
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
     return fig

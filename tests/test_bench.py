@@ -6,12 +6,18 @@ import math
 
 import pytest
 
+from labkit import bench
 from labkit.bench import (
+    BENCHMARKS,
+    VGG16_VARIANTS,
     allreduce_sweep,
     bus_bandwidth,
     check_allreduce,
     fit_alpha_beta,
     message_sizes,
+    peak_tflops,
+    vgg16_flops,
+    vgg16_throughput,
 )
 
 
@@ -189,3 +195,136 @@ def test_sweep_on_a_gpu_with_nccl(tmp_path):
     finally:
         dist.destroy_process_group()
     assert all(r["backend"] == "nccl" and r["seconds"] > 0 and r["algbw_GBps"] > 0 for r in rows)
+
+
+# ------------------------------------------------------------------------ VGG16 throughput, MFU
+
+TINY = {"image_size": 32, "width": 1 / 16, "batch_size": 2, "num_classes": 10, "steps": 1,
+        "warmup": 0, "repeats": 1}
+
+
+def _counted_forward_flops(image_size, width, num_classes, device="cpu"):
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.models import vgg16
+
+    with torch.device(device):
+        model = vgg16(num_classes, width=width, image_size=max(image_size, 32))
+        x = torch.zeros(1, 3, image_size, image_size)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(x)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("image_size, width, num_classes", [
+    (32, 1 / 16, 10), (64, 1 / 8, 1000), (50, 0.3, 7),
+])
+def test_vgg16_flops_match_torchs_flop_counter(image_size, width, num_classes):
+    assert vgg16_flops(image_size, width, num_classes) == _counted_forward_flops(
+        image_size, width, num_classes)
+
+
+def test_full_vgg16_is_31_gflop_forward():
+    flops = vgg16_flops()
+    assert flops == _counted_forward_flops(224, 1.0, 1000, device="meta")  # no 528 MB allocated
+    assert flops / 2 == pytest.approx(15.47e9, rel=0.01)  # the often quoted 15.5 GMACs
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"image_size": 16}, r"image_size must be an int >= 32"),
+    ({"image_size": 64.0}, r"image_size must be an int >= 32"),
+    ({"width": 0}, r"width must be > 0"),
+])
+def test_vgg16_flops_rejects_bad_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        vgg16_flops(**kwargs)
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H200", "bf16", 989.4), ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H200 NVL", "bf16", 835.0),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("NVIDIA L40S", "bf16", 362.1),
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", None), ("cpu", "fp32", None),
+    ("NVIDIA H200", "fp8", None),
+])
+def test_peak_table(name, precision, peak):
+    assert peak_tflops(name, precision) == peak
+
+
+def test_vgg16_throughput_tiny_cpu_run():
+    rows = vgg16_throughput(VGG16_VARIANTS, device="cpu", **TINY)
+    assert [r["variant"] for r in rows] == list(VGG16_VARIANTS)
+    flops = 3 * vgg16_flops(32, 1 / 16, 10)
+    for r in rows[:3]:  # fp32, bf16, bf16 + channels_last all measured
+        assert r["skipped"] is None and r["images_per_s"] > 0 and r["step_s"] > 0
+        assert r["images_per_s"] == pytest.approx(2 / r["step_s"])
+        assert r["tflops"] == pytest.approx(r["images_per_s"] * flops / 1e12)
+        assert r["mfu"] is None and r["peak_tflops"] is None  # no peak for a CPU: "n/a"
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "bf16", "bf16"]
+    assert rows[3]["images_per_s"] is None and "GPUs only" in rows[3]["skipped"]
+
+
+def test_a_failing_compile_is_skipped_with_the_reason(monkeypatch):
+    import torch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(bench, "_skip_reason", lambda variant, device: None)
+    monkeypatch.setattr(torch, "compile", broken)
+    (row,) = vgg16_throughput(["bf16+channels_last+compile"], device="cpu", **TINY)
+    assert row["skipped"] == "torch.compile failed: RuntimeError: no C++ compiler"
+
+
+def test_other_failures_are_raised(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench, "_time_vgg16_variant", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        vgg16_throughput(["fp32"], device="cpu", **TINY)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"variants": ["fp16"]}, r"unknown VGG16 variant 'fp16'.*fp32, bf16"),
+    ({"variants": []}, r"unknown VGG16 variant None"),
+    ({"batch_size": 0}, r"batch_size must be a positive int"),
+    ({"steps": 0}, r"steps must be a positive int"),
+    ({"repeats": 0}, r"repeats must be a positive int"),
+    ({"warmup": -1}, r"warmup must be an int >= 0"),
+])
+def test_vgg16_throughput_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        vgg16_throughput(**{**TINY, "device": "cpu", **kwargs})
+
+
+def test_bench_vgg16_prints_the_table(monkeypatch, capsys):
+    real = bench.vgg16_throughput
+    monkeypatch.setattr(bench, "vgg16_throughput", lambda: real(device="cpu", **TINY))
+    assert "vgg16" in BENCHMARKS
+    assert bench.main("vgg16") == 0
+    out = capsys.readouterr().out
+    assert "VGG16 training step (forward + backward + SGD) on cpu" in out
+    assert "32 px, width 0.0625, batch 2" in out
+    for variant in ("fp32", "bf16", "bf16+channels_last"):
+        assert any(line.split()[:1] == [variant] and "n/a" in line for line in out.splitlines())
+    assert "bf16+channels_last+compile    skipped: torch.compile is measured on GPUs" in out
+
+
+@pytest.mark.gpu
+def test_vgg16_throughput_on_a_gpu():
+    import torch
+
+    rows = vgg16_throughput(device="cuda", image_size=64, width=0.25, batch_size=16, steps=3,
+                            warmup=2, repeats=1)
+    name = torch.cuda.get_device_name(0)
+    for r in rows[:3]:
+        assert r["skipped"] is None and r["images_per_s"] > 0
+        assert r["device"] == "cuda:0" and r["device_name"] == name
+        if peak_tflops(name, r["precision"]) is not None:
+            assert 0 < r["mfu"] < 1
+    assert rows[0]["precision"] in ("tf32", "fp32")
+    compiled = rows[3]
+    assert compiled["images_per_s"] or compiled["skipped"].startswith("torch.compile failed")

@@ -64,3 +64,188 @@ def test_rows_without_rank_info_get_a_plain_title():
 def test_bandwidth_plot_rejects_what_it_cannot_draw(rows, match):
     with pytest.raises(ValueError, match=match):
         bandwidth_plot(rows)
+
+
+# ---------------------------------------------------------------------------- augmentation
+
+
+def _photo(h=40, w=48):
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("n, cells", [(8, 9), (3, 4), (4, 5)])
+def test_augmentation_grid_shows_the_original_and_n_copies(n, cells):
+    from labkit.augment import augmentation
+    from labkit.plots import augmentation_grid
+
+    fig = augmentation_grid(_photo(), augmentation(32), n=n)
+    assert len(fig.axes) == cells                       # unused grid cells are removed
+    assert all(len(ax.images) == 1 for ax in fig.axes)
+    assert fig.axes[0].get_title() == "original"
+    assert fig.axes[0].images[0].get_array().shape == (40, 48, 3)
+    assert fig.axes[1].images[0].get_array().shape == (32, 32, 3)
+
+
+def test_augmentation_grid_undoes_normalisation_and_keeps_the_global_seed():
+    import numpy as np
+    import torch
+
+    from labkit.augment import augmentation
+    from labkit.plots import augmentation_grid
+
+    photo = _photo()
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    fig = augmentation_grid(photo, augmentation(40, kind="none"), n=1)
+    assert torch.equal(torch.rand(1), expected)         # the learner's random stream is intact
+    shown = fig.axes[1].images[0].get_array()
+    assert np.abs(np.asarray(shown) - photo[:, 4:44] / 255).max() < 0.02  # true colours
+
+
+def test_augmentation_grid_is_repeatable_by_seed():
+    import numpy as np
+
+    from labkit.augment import augmentation
+    from labkit.plots import augmentation_grid
+
+    def pictures(seed):
+        fig = augmentation_grid(_photo(), augmentation(32), n=3, seed=seed)
+        return [np.asarray(ax.images[0].get_array()) for ax in fig.axes[1:]]
+
+    assert all(np.array_equal(a, b) for a, b in zip(pictures(1), pictures(1), strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(pictures(1), pictures(2), strict=True))
+
+
+@pytest.mark.parametrize("image, transform, n, match", [
+    ("float", None, 4, r"H x W x 3 uint8.*float64"),
+    ("grey", None, 4, r"H x W x 3 uint8.*\(40, 48\)"),
+    ("ok", None, 0, r"n must be a positive int"),
+    ("ok", lambda t: t[0], 4, r"C x H x W tensor with 1 or 3 channels, got \(40, 48\)"),
+    ("ok", lambda t: "text", 4, r"C x H x W tensor.*got str"),
+])
+def test_augmentation_grid_rejects_what_it_cannot_show(image, transform, n, match):
+    from labkit.augment import augmentation
+    from labkit.plots import augmentation_grid
+
+    photo = {"ok": _photo(), "float": _photo() / 255.0, "grey": _photo()[..., 0]}[image]
+    with pytest.raises(ValueError, match=match):
+        augmentation_grid(photo, transform or augmentation(32), n=n)
+
+
+def test_explorer_redraws_when_a_slider_moves(monkeypatch):
+    import ipywidgets as widgets
+
+    from labkit import plots
+
+    draws = []
+    real = plots.augmentation_grid
+
+    def counting(*args, **kwargs):
+        draws.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plots, "augmentation_grid", counting)
+    explorer = plots.augmentation_explorer(_photo(), image_size=24, n=3)
+    assert isinstance(explorer, widgets.VBox)
+    sliders = {s.description: s for s in explorer.children[0].children[0].children
+               + explorer.children[0].children[1].children}
+    assert set(sliders) == {"rotation (deg)", "zoom", "shift", "flip p", "brightness",
+                            "contrast", "saturation", "hue"}
+    picture = explorer.children[1]
+    assert isinstance(picture, widgets.Image) and picture.value[:4] == b"\x89PNG"
+    assert len(draws) == 1
+    before = picture.value
+    sliders["rotation (deg)"].value = 60
+    sliders["zoom"].value = 0.5
+    assert len(draws) == 3 and picture.value != before
+    config = explorer.config()
+    assert config.rotation == 60 and config.scale == (0.5, 1.0)
+
+
+def test_explorer_rejects_a_bad_image():
+    from labkit.plots import augmentation_explorer
+
+    with pytest.raises(ValueError, match="uint8"):
+        augmentation_explorer(_photo().astype(float))
+
+
+# --------------------------------------------------------------------------- training curves
+
+
+def _history(epochs=4, gap=0.1, val=True):
+    rows = []
+    for e in range(1, epochs + 1):
+        row = {"epoch": e, "train_loss": 1 / e, "train_acc": 1 - 0.5 / e}
+        if val:
+            row.update(val_loss=1 / e + gap, val_acc=1 - 0.5 / e - gap)
+        rows.append(row)
+    return rows
+
+
+def _fills(ax):
+    from matplotlib.collections import PolyCollection
+
+    return [c for c in ax.collections if isinstance(c, PolyCollection)]
+
+
+def test_training_curves_one_run():
+    from labkit.plots import training_curves
+
+    fig = training_curves(_history())
+    loss, acc = fig.axes
+    assert [line.get_label() for line in loss.get_lines()] == ["train", "validation"]
+    assert list(acc.get_lines()[1].get_ydata()) == pytest.approx([r["val_acc"] for r in _history()])
+    assert len(_fills(loss)) == len(_fills(acc)) == 1   # the shaded train-validation gap
+    assert loss.get_ylabel() == "loss" and acc.get_ylabel() == "accuracy"
+    assert acc.get_xlabel() == "epoch"
+
+
+def test_training_curves_overlays_labelled_runs():
+    from labkit.plots import training_curves
+
+    fig = training_curves({"no augmentation": _history(gap=0.3), "augmentation": _history(gap=0.05)})
+    for ax in fig.axes:
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels == ["no augmentation: train", "no augmentation: validation",
+                          "augmentation: train", "augmentation: validation"]
+        assert len(_fills(ax)) == 2
+        colours = [line.get_color() for line in ax.get_lines()]
+        assert colours[0] == colours[1] != colours[2] == colours[3]  # one colour per run
+
+
+def test_training_curves_without_validation_and_on_given_axes():
+    from matplotlib import pyplot as plt
+
+    from labkit.plots import training_curves
+
+    fig, ax = plt.subplots(1, 2)
+    assert training_curves(_history(val=False), ax=ax) is fig
+    assert [len(a.get_lines()) for a in ax] == [1, 1] and not _fills(ax[0])
+
+
+@pytest.mark.parametrize("history, ax, error, match", [
+    ([], None, ValueError, "no epochs yet"),
+    ({}, None, ValueError, "history is empty"),
+    ({"a": []}, None, ValueError, r"run 'a' has no epochs"),
+    ([{"epoch": 1, "train_loss": 1.0}], None, ValueError, r"lacks \['train_acc'\]"),
+    ("history", None, TypeError, "list of per-epoch dicts"),
+    (_history(), "one", ValueError, r"pair of Axes"),
+    (_history(), ("a", "b"), ValueError, r"pair of Axes"),
+])
+def test_training_curves_rejects_what_it_cannot_draw(history, ax, error, match):
+    from labkit.plots import training_curves
+
+    with pytest.raises(error, match=match):
+        training_curves(history, ax=ax)
+
+
+def test_training_curves_rejects_a_single_axes():
+    from matplotlib import pyplot as plt
+
+    from labkit.plots import training_curves
+
+    with pytest.raises(ValueError, match=r"pair of Axes"):
+        training_curves(_history(), ax=plt.subplots()[1])
