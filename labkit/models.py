@@ -35,6 +35,7 @@ class ImageNetWeights:
     """Where torchvision keeps VGG16's ImageNet checkpoint, and the model it fits."""
 
     file: str = "vgg16-397923af.pth"  # basename of VGG16_Weights.IMAGENET1K_V1.url
+    file_bn: str = "vgg16_bn-6c64b313.pth"  # VGG16_BN_Weights.IMAGENET1K_V1, for batch_norm=True
     width: float = 1.0
     num_classes: int = 1000
 
@@ -56,7 +57,7 @@ class VGG16(nn.Module):
     """
 
     def __init__(self, num_classes: int = 1000, width: float = 1.0, dropout: float = 0.5,
-                 image_size: int = 224):
+                 image_size: int = 224, batch_norm: bool = False):
         super().__init__()
         layers, channels = [], 3
         for item in _CFG:
@@ -64,7 +65,10 @@ class VGG16(nn.Module):
                 layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
             else:
                 out = _scaled(item, width)
-                layers += [nn.Conv2d(channels, out, kernel_size=3, padding=1), nn.ReLU(inplace=True)]
+                layers.append(nn.Conv2d(channels, out, kernel_size=3, padding=1))
+                if batch_norm:  # torchvision's vgg16_bn layout: conv, bn, relu
+                    layers.append(nn.BatchNorm2d(out))
+                layers.append(nn.ReLU(inplace=True))
                 channels = out
         hidden = _scaled(4096, width)
         self.features = nn.Sequential(*layers)
@@ -74,7 +78,7 @@ class VGG16(nn.Module):
             nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Dropout(dropout),
             nn.Linear(hidden, num_classes),
         )
-        self.width, self.image_size = width, image_size
+        self.width, self.image_size, self.batch_norm = width, image_size, batch_norm
         for m in self.modules():
             _init(m)
 
@@ -95,9 +99,12 @@ def _init(m: nn.Module) -> None:
     elif isinstance(m, nn.Linear):
         nn.init.normal_(m.weight, 0, 0.01)
         nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.BatchNorm2d):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
 
 
-def imagenet_checkpoint_path() -> Path:
+def imagenet_checkpoint_path(batch_norm: bool = False) -> Path:
     """Where torchvision caches VGG16's ImageNet weights: ``<torch hub dir>/checkpoints/<file>``.
 
     The hub dir is ``$TORCH_HOME/hub`` (default ``~/.cache/torch/hub``), so setting TORCH_HOME
@@ -108,18 +115,21 @@ def imagenet_checkpoint_path() -> Path:
         >>> imagenet_checkpoint_path().name
         'vgg16-397923af.pth'
     """
-    return Path(torch.hub.get_dir()) / "checkpoints" / IMAGENET.file
+    return Path(torch.hub.get_dir()) / "checkpoints" / (IMAGENET.file_bn if batch_norm else IMAGENET.file)
 
 
 def vgg16(num_classes: int = 1000, *, width: float = 1.0, image_size: int = 224,
-          pretrained: str | os.PathLike | None = None, dropout: float = 0.5) -> VGG16:
+          pretrained: str | os.PathLike | None = None, dropout: float = 0.5,
+          batch_norm: bool = False) -> VGG16:
     """VGG16 for ``image_size`` px RGB inputs, ``width`` times as wide, optionally pretrained.
 
     ``pretrained``: ``None`` (random), ``"auto"`` (ImageNet weights if the file is in the torch
     hub cache, else random with a one-line message), ``"imagenet"`` (the same, but an error if
     the file is missing) or a path to a ``.pth`` file saved from a model like this one. When
     ``num_classes`` differs from the checkpoint's, its head is left out and a new random one
-    is trained: the usual transfer-learning start.
+    is trained: the usual transfer-learning start. ``batch_norm=True`` is torchvision's
+    ``vgg16_bn``: a BatchNorm after every conv, which lets a narrow VGG16 train from scratch on
+    a few hundred images (plain VGG16 was trained in stages for that reason).
 
     Example::
 
@@ -138,14 +148,15 @@ def vgg16(num_classes: int = 1000, *, width: float = 1.0, image_size: int = 224,
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-    path = _resolve_pretrained(pretrained, width)
-    model = VGG16(num_classes, width=width, dropout=dropout, image_size=image_size)
+    path = _resolve_pretrained(pretrained, width, batch_norm)
+    model = VGG16(num_classes, width=width, dropout=dropout, image_size=image_size,
+                  batch_norm=batch_norm)
     if path is not None:
         load_checkpoint(model, path)
     return model
 
 
-def _resolve_pretrained(pretrained, width: float) -> Path | None:
+def _resolve_pretrained(pretrained, width: float, batch_norm: bool = False) -> Path | None:
     """The checkpoint file ``pretrained`` names, or None for a random start."""
     if pretrained is None:
         return None
@@ -154,17 +165,18 @@ def _resolve_pretrained(pretrained, width: float) -> Path | None:
             raise ValueError(f"ImageNet weights exist for width={IMAGENET.width} only, got "
                              f"width={width}: use width={IMAGENET.width}, or pretrained=None to "
                              f"start a narrower VGG16 from random weights")
-        path = imagenet_checkpoint_path()
+        path = imagenet_checkpoint_path(batch_norm)
         if path.is_file():
             return path
         if pretrained == "auto":
             print(f"labkit: no ImageNet weights at {path}; starting VGG16 from random weights "
-                  f"(put {IMAGENET.file} there to use them)")
+                  f"(put {path.name} there to use them)")
             return None
+        builder = "vgg16_bn" if batch_norm else "vgg16"
         raise FileNotFoundError(
             f"no ImageNet weights for VGG16 at {path}. Where the network is reachable, run "
-            f"`torchvision.models.vgg16(weights=\"IMAGENET1K_V1\")` once (it saves the file "
-            f"there), or copy {IMAGENET.file} to {path}; pretrained=\"auto\" falls back to "
+            f"`torchvision.models.{builder}(weights=\"IMAGENET1K_V1\")` once (it saves the file "
+            f"there), or copy {path.name} to {path}; pretrained=\"auto\" falls back to "
             f"random weights instead")
     if isinstance(pretrained, os.PathLike) or (
             isinstance(pretrained, str) and (pretrained.endswith((".pth", ".pt"))

@@ -67,11 +67,22 @@ def test_layout_and_keys_match_torchvision():
     assert count_parameters(ours) == (138_357_544, 138_357_544)
 
 
+def test_batch_norm_variant_matches_torchvisions_vgg16_bn():
+    import torchvision
+
+    with torch.device("meta"):
+        ours, theirs = vgg16(batch_norm=True), torchvision.models.vgg16_bn()
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert list(a) == list(b) and all(a[k].shape == b[k].shape for k in a)
+
+
 def test_imagenet_file_is_torchvisions():
-    from torchvision.models import VGG16_Weights
+    from torchvision.models import VGG16_BN_Weights, VGG16_Weights
 
     assert VGG16_Weights.IMAGENET1K_V1.url.rsplit("/", 1)[1] == IMAGENET.file
+    assert VGG16_BN_Weights.IMAGENET1K_V1.url.rsplit("/", 1)[1] == IMAGENET.file_bn
     assert imagenet_checkpoint_path().parts[-2:] == ("checkpoints", IMAGENET.file)
+    assert imagenet_checkpoint_path(batch_norm=True).name == IMAGENET.file_bn
 
 
 def test_width_scales_every_conv_and_the_hidden_layers():
