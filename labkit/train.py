@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device"]
+__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device", "augmentation_experiment"]
 
 
 @dataclasses.dataclass
@@ -176,3 +176,42 @@ def fit(model, train_loader, val_loader, config: TrainConfig | None = None, *,
         if on_epoch is not None:
             on_epoch(history)
     return history
+
+
+def augmentation_experiment(train_set, val_set, *, image_size: int, width: float = 0.125,
+                            epochs: int = 30, lr: float = 1e-3, batch_size: int = 16,
+                            augment_config=None, kinds=("none", "standard"), seed: int = 0,
+                            on_epoch: Callable[[str, list[dict]], None] | None = None) -> dict:
+    """Train the same VGG16 (BatchNorm, no dropout) once per augmentation ``kind``.
+
+    Returns ``{kind: history}``. Every run starts from the same weights and sees the same
+    batches order; train accuracy is measured on the un-augmented training images, like
+    validation, so the train-validation gaps of the runs compare fairly.
+
+    Example::
+
+        >>> runs = augmentation_experiment(train, val, image_size=32, epochs=30)
+        >>> gap = {k: h[-1]["train_acc"] - h[-1]["val_acc"] for k, h in runs.items()}
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from . import augment, data, models
+
+    plain = augment.augmentation(image_size, kind="none")
+    train_eval = DataLoader(data.to_torch(train_set, plain), batch_size=256)
+    val = DataLoader(data.to_torch(val_set, plain), batch_size=256)
+    runs = {}
+    for kind in kinds:
+        torch.manual_seed(seed)
+        # Dropout off: the comparison is augmentation against nothing, not against dropout.
+        model = models.vgg16(len(train_set.classes), width=width, image_size=image_size,
+                             batch_norm=True, dropout=0.0)
+        pipeline = augment.augmentation(image_size, kind=kind, config=augment_config)
+        loader = DataLoader(data.to_torch(train_set, pipeline), batch_size=batch_size,
+                            shuffle=True, generator=torch.Generator().manual_seed(seed))
+        config = TrainConfig(epochs=epochs, lr=lr, optimizer="adam", weight_decay=0.0)
+        callback = (lambda h, k=kind: on_epoch(k, h)) if on_epoch else None
+        runs[kind] = fit(model, loader, val, config, train_eval_loader=train_eval,
+                         on_epoch=callback)
+    return runs
