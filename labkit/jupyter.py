@@ -33,8 +33,13 @@ def lab_command(host: str, port: int, root: str | os.PathLike, token: str) -> li
 
 
 def port_free(host: str, port: int) -> bool:
-    """Whether ``host:port`` can be bound right now."""
+    """Whether a server could listen on ``host:port`` right now (as Jupyter binds: SO_REUSEADDR).
+
+    Without SO_REUSEADDR a port whose last server just stopped looks busy for a minute
+    (its closed connections sit in TIME_WAIT), although JupyterLab could bind it.
+    """
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
