@@ -217,6 +217,10 @@ def test_no_worker_survives_the_controller(tmp_path, private_tmp, how):
             print("started", flush=True)
             time.sleep(120)
 
+        # A kernel always handles SIGINT; a process started in the background by a shell
+        # (as CI may be) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print("PID", os.getpid(), flush=True)
         try:
             labkit.launch(slow, nproc=2)
