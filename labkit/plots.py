@@ -6,7 +6,8 @@ a worker, a shell) matplotlib falls back to the Agg backend by itself.
 
 from __future__ import annotations
 
-__all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves"]
+__all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
+           "live_training_curves"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -286,3 +287,31 @@ def training_curves(history, ax=None):
         a.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def live_training_curves():
+    """A callback ``update(label, history)`` that redraws :func:`training_curves` in place.
+
+    Made for ``fit(..., on_epoch=...)`` and ``augmentation_experiment(..., on_epoch=...)``:
+    one figure in the cell output, redrawn after every epoch of every run, so a learner
+    watches the curves grow instead of waiting for the end. ``update.runs`` holds what it drew.
+
+    Example::
+
+        >>> live = live_training_curves()
+        >>> runs = augmentation_experiment(train, val, image_size=32, on_epoch=live)
+    """
+    from IPython.display import display
+    from matplotlib import pyplot as plt
+
+    handle = display(display_id=True)
+    runs: dict = {}
+
+    def update(label, history):
+        runs[label] = list(history)
+        fig = training_curves(runs)
+        handle.update(fig)
+        plt.close(fig)  # the handle shows the picture; an open figure would be drawn twice
+
+    update.runs = runs
+    return update

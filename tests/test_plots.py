@@ -249,3 +249,23 @@ def test_training_curves_rejects_a_single_axes():
 
     with pytest.raises(ValueError, match=r"pair of Axes"):
         training_curves(_history(), ax=plt.subplots()[1])
+
+
+def test_live_training_curves_redraws_one_display(monkeypatch):
+    import IPython.display
+
+    shown = []
+
+    class Handle:
+        def update(self, fig):
+            shown.append(len(fig.axes))
+
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: Handle())
+    from labkit.plots import live_training_curves
+
+    live = live_training_curves()
+    epoch = {"epoch": 1, "train_loss": 1.0, "train_acc": 0.5, "val_loss": 1.2, "val_acc": 0.4}
+    live("none", [epoch])
+    live("standard", [epoch, dict(epoch, epoch=2)])
+    assert shown == [2, 2] and sorted(live.runs) == ["none", "standard"]
+    assert len(live.runs["standard"]) == 2
