@@ -51,8 +51,10 @@ def pytest_runtest_makereport(item, call):
     budget = item.config._labkit_budget
     if call.when == "teardown" and item.nodeid == _last_item.get(nb) and _spent[nb] > budget:
         report.outcome = "failed"
-        report.longrepr = (f"{nb} took {_spent[nb]:.1f} s in the smoke profile, over its budget of "
-                           f"{budget:g} s: shrink its smoke sizes (knob(..., smoke=...))")
+        profile = os.environ.get("LABKIT_PROFILE", "the default")
+        report.longrepr = (f"{nb} took {_spent[nb]:.1f} s in the {profile} profile, over its budget "
+                           f"of {budget:g} s: shrink its sizes for that profile (knob(..., smoke=...)), "
+                           f"or raise LABKIT_NOTEBOOK_BUDGET outside CI")
 
 
 def pytest_terminal_summary(terminalreporter):
