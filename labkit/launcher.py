@@ -438,18 +438,23 @@ def _stop(run: _Run) -> int:
     return len(procs)
 
 
+def _rank_of(path: Path) -> int:
+    """The rank in a run-folder file name: ``pid-3``, ``result-3.pkl`` -> 3."""
+    return int(path.name.split("-", 1)[1].split(".", 1)[0])
+
+
 def _rank_pids(run_dir: Path) -> dict[int, int]:
     import json
 
     out = {}
     for f in run_dir.glob("pid-*"):
-        out[int(f.name[4:])] = json.loads(f.read_text())["pid"]
+        out[_rank_of(f)] = json.loads(f.read_text())["pid"]
     return out
 
 
 def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict) -> LaunchTimeout:
     """Ask every unfinished rank for its Python stack, then build the LaunchTimeout."""
-    finished = {int(f.name[7:-4]) for f in run.run_dir.glob("result-*.pkl")}
+    finished = {_rank_of(f) for f in run.run_dir.glob("result-*.pkl")}
     pids = _rank_pids(run.run_dir)
     stuck = sorted(r for r in pids if r not in finished)
     for rank in stuck:
@@ -512,7 +517,7 @@ def _collect(run_dir: Path) -> list:
     import cloudpickle
 
     values = []
-    for f in sorted(run_dir.glob("result-*.pkl"), key=lambda p: int(p.name[7:-4])):
+    for f in sorted(run_dir.glob("result-*.pkl"), key=_rank_of):
         values.append(cloudpickle.loads(f.read_bytes()))
     return values
 
