@@ -7,7 +7,7 @@ a worker, a shell) matplotlib falls back to the Agg backend by itself.
 from __future__ import annotations
 
 __all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
-           "live_training_curves"]
+           "live_training_curves", "scaling_plot", "large_batch_plot"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -315,3 +315,154 @@ def live_training_curves():
 
     update.runs = runs
     return update
+
+
+# ---- data-parallel scaling and large batches ---------------------------------------------------
+
+_SCALING_KEYS = ("mode", "workers", "samples_per_s", "speedup", "efficiency")
+_MODES = ("weak", "strong", "independent")
+
+
+def _check_rows(rows, keys, name, advice):
+    """Every row has ``keys`` and, where ``mode`` is one of them, a known mode; or a clear error."""
+    missing = [k for k in keys if any(k not in r for r in rows)]
+    if missing:
+        raise ValueError(f"{name} lack {missing}: {advice}")
+    modes = sorted({r["mode"] for r in rows if r["mode"] not in _MODES}) if "mode" in keys else []
+    if modes:
+        raise ValueError(f"unknown mode {modes} in {name}: mode is 'weak' (same batch per "
+                         f"worker), 'strong' (same global batch) or 'independent' (no "
+                         f"gradient exchange)")
+
+
+def _by(rows, key, order_key) -> dict:
+    """``{rows[key]: rows sorted by order_key}``, keys in first-seen order."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r[key], []).append(r)
+    return {k: sorted(v, key=lambda r: r[order_key]) for k, v in groups.items()}
+
+
+def _integer_ticks(ax, ticks, log):
+    """Ticks exactly at ``ticks`` labelled 1, 2, 4 ...: the default log labels read 2^3."""
+    from matplotlib.ticker import NullLocator
+
+    if log:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, labels=[f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())  # no unlabelled ticks between worker counts
+
+
+def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
+    """Data-parallel scaling: throughput, then speedup and efficiency, against workers.
+
+    ``rows`` are measured rows from ``labkit.bench.scaling_sweep`` (weak, strong or both modes,
+    one colour per mode); ``prediction`` optionally adds model rows with the same keys, drawn
+    dashed and usually reaching past the measured worker counts. Grey dotted lines are ideal
+    scaling: N times the one-worker throughput (left; skipped for a mode without a one-worker
+    row) and a speedup of N (right). Efficiency (speedup / N) is on the right-hand axis of the
+    right panel. The worker axis is log base 2 beyond 8 workers. Returns the Figure.
+
+    Example::
+
+        >>> rows = scaling_sweep(...)                    # measured, e.g. 1 to 4 workers
+        >>> fig = scaling_plot(rows, prediction=model)   # model rows up to 64 workers
+    """
+    from matplotlib import pyplot as plt
+
+    advice = "pass the rows labkit.bench.scaling_sweep returned"
+    if not rows:
+        raise ValueError(f"no rows to plot: {advice}")
+    _check_rows(rows, _SCALING_KEYS, "rows", advice)
+    prediction = list(prediction or [])
+    # predicted efficiency is not drawn (the speedup panel shows the same gap), so not required
+    _check_rows(prediction, _SCALING_KEYS[:-1], "prediction rows",
+                f"each needs {', '.join(_SCALING_KEYS[:-1])}")
+    measured, predicted = _by(rows, "mode", "workers"), _by(prediction, "mode", "workers")
+    modes = list(dict.fromkeys([*measured, *predicted]))
+    workers = sorted({r["workers"] for r in [*rows, *prediction]})
+
+    fig, (ax_tput, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_eff = ax_speed.twinx()
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, mode in enumerate(modes):
+        colour = colours[i % len(colours)]
+        seen, model = measured.get(mode, []), predicted.get(mode, [])
+        one = next((r for r in seen if r["workers"] == 1), None)
+        if one is not None:
+            span = sorted({r["workers"] for r in [*seen, *model]})  # ideal as far as the model
+            # grey for every mode, so with two modes only the label tells the ideals apart
+            prefix = f"{mode} " if len(modes) > 1 else ""
+            label = f"{prefix}ideal (N x one worker)"
+            ax_tput.plot(span, [one["samples_per_s"] * n for n in span], ":", color="grey",
+                         label=label)
+        if seen:
+            x = [r["workers"] for r in seen]
+            ax_tput.plot(x, [r["samples_per_s"] for r in seen], "o-", color=colour,
+                         label=f"{mode} measured")
+            ax_speed.plot(x, [r["speedup"] for r in seen], "o-", color=colour,
+                          label=f"{mode} measured")
+            ax_eff.plot(x, [r["efficiency"] for r in seen], "s:", color=colour, alpha=0.5,
+                        markersize=4, label=f"{mode} efficiency")
+        if model:
+            x = [r["workers"] for r in model]
+            ax_tput.plot(x, [r["samples_per_s"] for r in model], "--", color=colour,
+                         label=f"{mode} model")
+            ax_speed.plot(x, [r["speedup"] for r in model], "--", color=colour,
+                          label=f"{mode} model")
+    ax_speed.plot(workers, workers, ":", color="grey", label="ideal (speedup = N)")
+
+    log = workers[-1] > 8  # 1 .. 64 on a linear axis crowds every measured point at the left
+    for ax in (ax_tput, ax_speed):
+        _integer_ticks(ax, workers, log)
+        ax.set_xlabel("workers")
+        ax.grid(True, alpha=0.3)
+    ax_tput.set_ylabel("samples / s")
+    ax_tput.set_title("throughput")
+    ax_tput.legend(fontsize=8)
+    ax_speed.set_ylabel("speedup (x one worker)")
+    ax_speed.set_title("speedup and efficiency")
+    ax_eff.set_ylim(0, 1.1)
+    ax_eff.set_ylabel("efficiency")
+    # one legend for both y axes (two would overlap); centre left lies between efficiency,
+    # which starts at 1 top left, and speedup, which starts at 1 bottom left
+    handles, labels = ax_speed.get_legend_handles_labels()
+    more, more_labels = ax_eff.get_legend_handles_labels()
+    ax_eff.legend(handles + more, labels + more_labels, fontsize=8, loc="center left")
+    fig.tight_layout()
+    return fig
+
+
+def large_batch_plot(rows: list[dict], ax=None):
+    """Validation accuracy against global batch size, one line per learning-rate rule.
+
+    ``rows`` come from ``labkit.train.large_batch_experiment``: one per (rule, global batch),
+    rules drawn in the order they first appear (e.g. "same lr", "linear scaling", "linear
+    scaling + warmup"). Draws on ``ax`` when given, else on a new figure; returns the Figure.
+
+    Example::
+
+        >>> rows = large_batch_experiment(...)
+        >>> fig = large_batch_plot(rows)        # assign it, or Jupyter shows the figure twice
+    """
+    from matplotlib import pyplot as plt
+
+    advice = "pass the rows labkit.train.large_batch_experiment returned"
+    if not rows:
+        raise ValueError(f"no rows to plot: {advice}")
+    _check_rows(rows, ("global_batch", "rule", "val_acc"), "rows", advice)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+    else:
+        fig = ax.figure
+    for rule, runs in _by(rows, "rule", "global_batch").items():
+        ax.plot([r["global_batch"] for r in runs], [r["val_acc"] for r in runs], "o-", label=rule)
+    _integer_ticks(ax, sorted({r["global_batch"] for r in rows}), log=True)
+    ax.set_ylim(0, 1)  # a fixed scale, so a collapse at large batch reads as one
+    ax.set_xlabel("global batch size")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title("large-batch training: accuracy against global batch")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

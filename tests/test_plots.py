@@ -269,3 +269,180 @@ def test_live_training_curves_redraws_one_display(monkeypatch):
     live("standard", [epoch, dict(epoch, epoch=2)])
     assert shown == [2, 2] and sorted(live.runs) == ["none", "standard"]
     assert len(live.runs["standard"]) == 2
+
+
+# ----------------------------------------------------------------- scaling and large batches
+
+
+def _scaling(mode, workers, one=100.0, loss=0.1, predicted=False):
+    """Rows as scaling_sweep gives them: each doubling of workers loses ``loss`` efficiency."""
+    rows = []
+    for n in workers:
+        efficiency = (1 - loss) ** (n.bit_length() - 1)
+        per_worker = 32 if mode == "weak" else 256 // n
+        samples = one * n * efficiency
+        row = {"mode": mode, "workers": n, "per_worker_batch": per_worker,
+               "global_batch": per_worker * n, "step_s": per_worker * n / samples,
+               "samples_per_s": samples, "speedup": n * efficiency, "efficiency": efficiency}
+        if predicted:
+            row.update(predicted=True, compute_s=row["step_s"] * 0.8,
+                       allreduce_s=row["step_s"] * 0.2)
+        rows.append(row)
+    return rows
+
+
+def _labels(ax):
+    return [line.get_label() for line in ax.get_lines()]
+
+
+def _line(ax, label):
+    (line,) = [line for line in ax.get_lines() if line.get_label() == label]
+    return line
+
+
+def test_scaling_plot_with_a_prediction_to_64_workers():
+    from labkit.plots import scaling_plot
+
+    measured = _scaling("weak", [1, 2, 4])
+    model = _scaling("weak", [1, 2, 4, 8, 16, 32, 64], loss=0.12, predicted=True)
+    fig = scaling_plot(list(reversed(measured)), prediction=model)  # sorted by workers first
+    fig.canvas.draw()
+    tput, speed, eff = fig.axes                          # the efficiency axis is the twin
+    assert tput.get_title() == "throughput" and speed.get_title() == "speedup and efficiency"
+    assert _labels(tput) == ["ideal (N x one worker)", "weak measured", "weak model"]
+    ideal = _line(tput, "ideal (N x one worker)")
+    assert list(ideal.get_xdata()) == [1, 2, 4, 8, 16, 32, 64]  # as far as the model reaches
+    assert list(ideal.get_ydata()) == pytest.approx([100.0 * n for n in ideal.get_xdata()])
+    assert ideal.get_color() == "grey" and ideal.get_linestyle() == ":"
+    line = _line(tput, "weak measured")
+    assert list(line.get_xdata()) == [1, 2, 4]
+    assert list(line.get_ydata()) == pytest.approx([r["samples_per_s"] for r in measured])
+    dashed = _line(tput, "weak model")
+    assert dashed.get_linestyle() == "--" and dashed.get_color() == line.get_color()
+    assert list(dashed.get_ydata()) == pytest.approx([r["samples_per_s"] for r in model])
+
+    assert _labels(speed) == ["weak measured", "weak model", "ideal (speedup = N)"]
+    assert list(_line(speed, "weak measured").get_ydata()) == pytest.approx(
+        [r["speedup"] for r in measured])
+    ideal = _line(speed, "ideal (speedup = N)")
+    assert list(ideal.get_xdata()) == list(ideal.get_ydata()) == [1, 2, 4, 8, 16, 32, 64]
+    assert _labels(eff) == ["weak efficiency"]
+    assert list(eff.get_lines()[0].get_ydata()) == pytest.approx([1.0, 0.9, 0.81])
+    assert eff.get_ylim() == pytest.approx((0, 1.1)) and eff.get_ylabel() == "efficiency"
+    legend = [t.get_text() for t in eff.get_legend().get_texts()]
+    assert legend == [*_labels(speed), "weak efficiency"]  # one legend for both y axes
+
+    for ax in (tput, speed):
+        assert ax.get_xscale() == "log" and ax.get_xlabel() == "workers"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32",
+                                                                "64"]
+
+
+def test_scaling_plot_both_modes_measured_to_4_workers_is_linear():
+    from labkit.plots import scaling_plot
+
+    rows = _scaling("weak", [1, 2, 4]) + _scaling("strong", [1, 2, 4], one=80.0, loss=0.3)
+    fig = scaling_plot(rows)
+    fig.canvas.draw()
+    tput, speed, eff = fig.axes
+    assert _labels(tput) == ["weak ideal (N x one worker)", "weak measured",
+                             "strong ideal (N x one worker)", "strong measured"]
+    assert list(_line(tput, "strong ideal (N x one worker)").get_ydata()) == pytest.approx(
+        [80.0, 160.0, 320.0])
+    assert list(_line(tput, "strong measured").get_ydata()) == pytest.approx(
+        [r["samples_per_s"] for r in rows[3:]])
+    assert _line(tput, "weak measured").get_color() != _line(tput, "strong measured").get_color()
+    assert _labels(speed) == ["weak measured", "strong measured", "ideal (speedup = N)"]
+    assert _labels(eff) == ["weak efficiency", "strong efficiency"]
+    assert list(eff.get_lines()[1].get_ydata()) == pytest.approx([1.0, 0.7, 0.49])
+    assert eff.get_ylim() == pytest.approx((0, 1.1))
+    for ax in (tput, speed):
+        assert ax.get_xscale() == "linear"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
+
+
+def test_scaling_plot_skips_the_ideal_without_a_one_worker_row():
+    from labkit.plots import scaling_plot
+
+    fig = scaling_plot(_scaling("strong", [2, 4, 8]))
+    tput, speed, _ = fig.axes
+    assert _labels(tput) == ["strong measured"]
+    assert _labels(speed) == ["strong measured", "ideal (speedup = N)"]
+
+
+def _without(rows, key):
+    return [{k: v for k, v in r.items() if k != key} for r in rows]
+
+
+@pytest.mark.parametrize("rows, prediction, match", [
+    ([], None, r"no rows to plot: pass the rows labkit\.bench\.scaling_sweep returned"),
+    (_without(_scaling("weak", [1, 2]), "efficiency"), None,
+     r"rows lack \['efficiency'\]: pass the rows labkit\.bench\.scaling_sweep returned"),
+    ([{"mode": "weak", "workers": 1}], None, r"lack \['samples_per_s', 'speedup', 'efficiency'\]"),
+    (_scaling("sideways", [1, 2]), None, r"unknown mode \['sideways'\] in rows.*'weak'.*'strong'"),
+    (_scaling("weak", [1, 2]), _without(_scaling("weak", [8], predicted=True), "speedup"),
+     r"prediction rows lack \['speedup'\]"),
+    (_scaling("weak", [1, 2]), _scaling("both", [8], predicted=True),
+     r"unknown mode \['both'\] in prediction rows"),
+])
+def test_scaling_plot_rejects_what_it_cannot_draw(rows, prediction, match):
+    from labkit.plots import scaling_plot
+
+    with pytest.raises(ValueError, match=match):
+        scaling_plot(rows, prediction=prediction)
+
+
+_RULES = ("same lr", "linear scaling", "linear scaling + warmup")
+
+
+def _large_batch():
+    """Rows in the order an experiment might give them: by batch, rules interleaved."""
+    rows = []
+    for batch, base_acc in ((1024, 0.8), (64, 0.9), (256, 0.88)):
+        for i, rule in enumerate(_RULES):
+            rows.append({"global_batch": batch, "rule": rule, "lr": 0.1 * batch / 64,
+                         "val_acc": base_acc - 0.1 / (i + 1) * (batch > 64)})
+    return rows
+
+
+def test_large_batch_plot_one_line_per_rule():
+    from labkit.plots import large_batch_plot
+
+    rows = _large_batch()
+    fig = large_batch_plot(rows)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    assert _labels(ax) == list(_RULES)                   # first-seen order
+    for rule, line in zip(_RULES, ax.get_lines(), strict=True):
+        runs = sorted((r for r in rows if r["rule"] == rule), key=lambda r: r["global_batch"])
+        assert list(line.get_xdata()) == [64, 256, 1024]
+        assert list(line.get_ydata()) == pytest.approx([r["val_acc"] for r in runs])
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "256", "1024"]
+    assert ax.get_ylim() == pytest.approx((0, 1)) and ax.get_ylabel() == "validation accuracy"
+    assert ax.get_title() == "large-batch training: accuracy against global batch"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(_RULES)
+
+
+def test_large_batch_plot_on_a_given_axes():
+    from matplotlib.figure import Figure
+
+    from labkit.plots import large_batch_plot
+
+    fig = Figure()
+    ax = fig.add_subplot()
+    assert large_batch_plot(_large_batch(), ax=ax) is fig
+    assert len(ax.get_lines()) == 3
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([], r"no rows to plot: pass the rows labkit\.train\.large_batch_experiment returned"),
+    (_without(_large_batch(), "val_acc"),
+     r"rows lack \['val_acc'\]: pass the rows labkit\.train\.large_batch_experiment returned"),
+    ([{"global_batch": 64}], r"lack \['rule', 'val_acc'\]"),
+])
+def test_large_batch_plot_rejects_what_it_cannot_draw(rows, match):
+    from labkit.plots import large_batch_plot
+
+    with pytest.raises(ValueError, match=match):
+        large_batch_plot(rows)
