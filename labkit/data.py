@@ -32,8 +32,8 @@ import numpy as np
 __all__ = [
     "ImageSet", "DataError", "DataUnavailable", "SHAPES", "PHOTOS", "IMAGE_EXTENSIONS",
     "TORCHVISION_SETS", "digits", "split", "take", "sample_photos", "shapes", "image_folder",
-    "torchvision_dataset", "to_torch", "to_tensors", "to_numpy_float", "fingerprint", "catalog",
-    "cache_dir",
+    "torchvision_dataset", "to_torch", "to_tensors", "to_float_tensors", "to_numpy_float",
+    "fingerprint", "catalog", "cache_dir",
 ]
 
 _DATASETS = Path(__file__).resolve().parent.parent / "datasets"
@@ -735,6 +735,21 @@ def to_tensors(imageset: ImageSet, device=None):
 
     images = torch.from_numpy(np.ascontiguousarray(imageset.images.transpose(0, 3, 1, 2)))
     return images.to(device), torch.from_numpy(imageset.labels).to(device)
+
+
+def to_float_tensors(imageset: ImageSet):
+    """The whole set as float32 images centred on zero ((pixel / 255) - 0.5) and int64 labels.
+
+    For small sets trained straight from memory, without a transform pipeline.
+
+    Example::
+
+        >>> x, y = to_float_tensors(digits(16))
+        >>> x.shape, x.dtype
+        (torch.Size([1797, 3, 16, 16]), torch.float32)
+    """
+    images, labels = to_tensors(imageset)
+    return images.float() / 255 - 0.5, labels
 
 
 def to_numpy_float(imageset: ImageSet):

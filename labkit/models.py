@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["VGG16", "IMAGENET", "MIN_IMAGE_SIZE", "PRETRAINED_CHOICES", "vgg16",
+__all__ = ["convnet", "small_cnn", "VGG16", "IMAGENET", "MIN_IMAGE_SIZE", "PRETRAINED_CHOICES", "vgg16",
            "imagenet_checkpoint_path", "load_checkpoint", "freeze", "unfreeze",
            "count_parameters", "replace_head"]
 
@@ -317,3 +317,52 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     _init(new)
     classifier[-1] = new
     return model
+
+
+def convnet(num_classes: int = 10, width: int = 32, in_channels: int = 3) -> nn.Module:
+    """A small, compute-bound conv net: ~66k parameters, ~30 MFLOPs per 32x32 image at width 32.
+
+    Many FLOPs per parameter means the gradient all-reduce is cheap next to the arithmetic,
+    the regime where data parallelism scales (and one a CPU can show). Global average pooling
+    makes it take any image size; it has no BatchNorm, so N data-parallel workers compute
+    exactly what one process computes on their combined batch.
+
+    Example::
+
+        >>> sum(p.numel() for p in convnet().parameters())
+        66218
+    """
+    w = width
+    return nn.Sequential(
+        nn.Conv2d(in_channels, w, 3, padding=1), nn.ReLU(), nn.Conv2d(w, w, 3, padding=1),
+        nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(w, 2 * w, 3, padding=1), nn.ReLU(), nn.Conv2d(2 * w, 2 * w, 3, padding=1),
+        nn.ReLU(), nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, num_classes))
+
+
+def small_cnn(num_classes: int = 10, image_size: int = 16, width: int = 16, *,
+              batch_norm: bool = False) -> nn.Module:
+    """Two conv layers and a linear head: trains on 16x16 digits to ~95 % in seconds on a CPU.
+
+    The network of notebook 02's lessons, where many short runs must fit in minutes. Without
+    BatchNorm (the default), data-parallel workers compute exactly what one process computes on
+    their combined batch; ``batch_norm=True`` adds BatchNorm after each conv, whose statistics
+    are per worker's batch, which is the lesson on SyncBatchNorm.
+
+    Example::
+
+        >>> small_cnn(10, image_size=16)(torch.zeros(2, 3, 16, 16)).shape
+        torch.Size([2, 10])
+    """
+    if image_size < 4 or image_size % 4:
+        raise ValueError(f"image_size must be a multiple of 4 (two 2x poolings), got {image_size}")
+    w = width
+
+    def norm(c):
+        return [nn.BatchNorm2d(c)] if batch_norm else []
+
+    return nn.Sequential(
+        nn.Conv2d(3, w, 3, padding=1), *norm(w), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(w, 2 * w, 3, padding=1), *norm(2 * w), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(2 * w * (image_size // 4) ** 2, num_classes))

@@ -11,7 +11,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device", "augmentation_experiment"]
+__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device", "augmentation_experiment",
+           "LR_RULES", "linear_scaled_lr", "warmup_lr", "large_batch_experiment"]
 
 
 @dataclasses.dataclass
@@ -215,3 +216,111 @@ def augmentation_experiment(train_set, val_set, *, image_size: int, width: float
         runs[kind] = fit(model, loader, val, config, train_eval_loader=train_eval,
                          on_epoch=callback)
     return runs
+
+
+# ---- large-batch training: linear learning-rate scaling and warm-up (Goyal et al., 2017) -------
+
+LR_RULES = ("same lr", "linear scaling", "linear scaling + warmup")
+
+
+def linear_scaled_lr(base_lr: float, base_batch: int, global_batch: int) -> float:
+    """Goyal et al.'s rule: multiply the batch by k, multiply the learning rate by k.
+
+    With k times fewer steps per epoch, each step must move k times further to cover the same
+    distance; SGD's update with a k times larger batch and learning rate approximates k small
+    steps as long as the gradient changes little over them.
+
+    Example::
+
+        >>> linear_scaled_lr(0.1, 256, 8192)     # ImageNet in one hour: 256 -> 8k images
+        3.2
+    """
+    if base_lr <= 0 or base_batch < 1 or global_batch < 1:
+        raise ValueError(f"need base_lr > 0 and batches >= 1, got {base_lr}, {base_batch}, "
+                         f"{global_batch}")
+    return base_lr * global_batch / base_batch
+
+
+def warmup_lr(target_lr: float, step: int, warmup_steps: int) -> float:
+    """The learning rate at ``step`` (0-based): a linear ramp to ``target_lr`` over ``warmup_steps``.
+
+    Early gradients are large and change fast, exactly when the linear-scaling approximation
+    fails; ramping the scaled rate up over the first epochs avoids the early divergence.
+
+    Example::
+
+        >>> [warmup_lr(1.0, s, 4) for s in range(6)]
+        [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    """
+    if warmup_steps <= 0:
+        return target_lr
+    return target_lr * min(1.0, (step + 1) / warmup_steps)
+
+
+def large_batch_experiment(train_set, val_set, batches, *, base_batch: int, base_lr: float,
+                           epochs: int, warmup_epochs: float = 2, rules=LR_RULES,
+                           model_fn=None, momentum: float = 0.9, seed: int = 0) -> list[dict]:
+    """Validation accuracy after ``epochs`` for each global batch and learning-rate rule.
+
+    Every run starts from the same weights and trains for the same number of epochs (so larger
+    batches take fewer steps) with SGD and momentum: ``"same lr"`` keeps ``base_lr``,
+    ``"linear scaling"`` multiplies it by ``batch / base_batch``, and ``"linear scaling +
+    warmup"`` also ramps it up over ``warmup_epochs``. It runs in one process: N data-parallel
+    workers with batch b compute exactly the update of one process with batch N*b (notebook
+    02 shows it), so a global batch is simulated here without the workers.
+
+    Returns rows ``{global_batch, rule, lr, steps, val_acc}``.
+
+    Example::
+
+        >>> rows = large_batch_experiment(train, val, [16, 128], base_batch=16, base_lr=0.01,
+        ...                               epochs=8)
+    """
+    import torch
+    from torch import nn
+
+    from .data import to_float_tensors
+    from .models import small_cnn
+
+    bad = [r for r in rules if r not in LR_RULES]
+    if bad or not rules:
+        raise ValueError(f"rules must be some of {LR_RULES}, got {rules!r}")
+    if epochs < 1 or warmup_epochs < 0:
+        raise ValueError(f"need epochs >= 1 and warmup_epochs >= 0, got {epochs}, {warmup_epochs}")
+    x, y = to_float_tensors(train_set)
+    x_val, y_val = to_float_tensors(val_set)
+    too_big = [b for b in batches if not 1 <= b <= len(x)]
+    if too_big:
+        raise ValueError(f"global batches {too_big} do not fit the {len(x)} training samples: "
+                         f"use batches between 1 and {len(x)}")
+    image_size = train_set.images.shape[1]
+    make = model_fn or (lambda: small_cnn(len(train_set.classes), image_size=image_size))
+    torch.manual_seed(seed)
+    initial = make().state_dict()
+    rows = []
+    for batch in batches:
+        steps_per_epoch = len(x) // batch
+        for rule in rules:
+            lr = base_lr if rule == "same lr" else linear_scaled_lr(base_lr, base_batch, batch)
+            warmup = round(warmup_epochs * steps_per_epoch) if rule.endswith("warmup") else 0
+            model = make()
+            model.load_state_dict(initial)
+            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+            order = torch.Generator().manual_seed(seed)  # the same sample order for every rule
+            step = 0
+            for _ in range(epochs):
+                perm = torch.randperm(len(x), generator=order)
+                for i in range(steps_per_epoch):
+                    idx = perm[i * batch:(i + 1) * batch]
+                    for group in opt.param_groups:
+                        group["lr"] = warmup_lr(lr, step, warmup)
+                    opt.zero_grad(set_to_none=True)
+                    nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                    opt.step()
+                    step += 1
+            with torch.no_grad():
+                logits = model(x_val)
+            acc = (logits.argmax(1) == y_val).float().mean().item()
+            rows.append({"global_batch": batch, "rule": rule, "lr": lr, "steps": step,
+                         "val_acc": 0.0 if torch.isnan(logits).any() else acc})
+    return rows
