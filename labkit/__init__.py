@@ -20,9 +20,10 @@ _LAZY = {
     "LaunchError": ".launcher",
     "LaunchTimeout": ".launcher",
     "LaunchResult": ".launcher",
+    "stray_workers": ".launcher",
 }
 
-_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check")
+_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check", "ddp")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

@@ -532,3 +532,34 @@ def _print_other_nodes(fn, nproc: int, nnodes: int, node_rank: int, rdzv_endpoin
         print("  " + shlex.join(["torchrun", "--nnodes", str(nnodes), "--node-rank", str(r),
                                  "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                                  "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "labkit", target]))
+
+
+def stray_workers() -> list[str]:
+    """Worker processes that this process's ``labkit.launch`` runs left alive: should be none.
+
+    A notebook's last cell asserts it (``assert not labkit.stray_workers()``): every launch
+    stops its whole process group, even after a failure, a timeout or an interrupt. Finds
+    torchrun agents and worker shims by their command line, and keeps those whose environment
+    names this process as their controller, so runs of another notebook do not count.
+    Returns ``"pid: command line"`` strings.
+
+    Example::
+
+        >>> labkit.stray_workers()
+        []
+    """
+    import psutil
+
+    me = str(os.getpid())
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "labkit._worker" not in cmdline and "labkit-run-" not in cmdline:
+            continue
+        try:
+            controller = proc.environ().get("LABKIT_CONTROLLER_PID")
+        except (psutil.Error, OSError):  # gone meanwhile, or another user's process
+            continue
+        if controller == me:
+            found.append(f"{proc.info['pid']}: {cmdline[:200]}")
+    return found
