@@ -18,7 +18,9 @@ import sys
 import time
 
 __all__ = ["message_sizes", "bus_bandwidth", "fit_alpha_beta", "check_allreduce",
-           "allreduce_sweep", "launch_overhead", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
+           "allreduce_sweep", "launch_overhead", "SCALING_MODES", "machine_workers",
+           "worker_counts", "scaling_sweep", "predict_scaling", "count_allreduces", "wide_mlp",
+           "bucket_sweep", "ddp_efficiency", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
            "vgg16_flops", "vgg16_throughput", "main"]
 
 _FLOAT32 = 4  # bytes per element of the tensors the sweep reduces
@@ -202,6 +204,372 @@ def allreduce_sweep(sizes: list[int], iters: int = 20, warmup: int = 5) -> list[
     return rows
 
 
+# ---- data-parallel scaling: throughput against worker count ------------------------------------
+
+SCALING_MODES = ("weak", "strong", "independent")
+_ROW_KEYS = ("mode", "workers", "per_worker_batch", "global_batch", "step_s", "samples_per_s",
+             "speedup", "efficiency")
+
+
+def machine_workers(backend: str = "auto") -> tuple[int, str]:
+    """How many data-parallel workers this machine runs side by side: its GPUs, else its cores.
+
+    ``backend="gloo"`` counts CPU cores even where there are GPUs (gloo workers compute on
+    the CPU).
+    """
+    import os
+
+    from .profile import visible_gpu_count
+
+    gpus = visible_gpu_count() if backend != "gloo" else 0
+    if gpus:
+        return gpus, "GPU" if gpus == 1 else "GPUs"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1, "CPU core" if cores == 1 else "CPU cores"
+
+
+def worker_counts(limit: int | None = None) -> list[int]:
+    """1, 2, 4, ... up to ``limit`` (default: what the machine has), and ``limit`` itself.
+
+    Example::
+
+        >>> worker_counts(6)
+        [1, 2, 4, 6]
+    """
+    limit = machine_workers()[0] if limit is None else int(limit)
+    if limit < 1:
+        raise ValueError(f"need a limit of at least one worker, got {limit}")
+    counts = [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+    return counts if counts[-1] == limit else [*counts, limit]
+
+
+def _capped_workers(workers, oversubscribe: bool, backend: str) -> list[int]:
+    """Validated, sorted worker counts; counts beyond the machine are dropped with a message."""
+    if workers is None:
+        return worker_counts(machine_workers(backend)[0])
+    counts = sorted(set(workers))
+    if not counts or any(not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"workers must be positive integers, e.g. [1, 2, 4], got {workers!r}")
+    limit, what = machine_workers(backend)
+    over = [n for n in counts if n > limit]
+    if over and not oversubscribe:
+        counts = [n for n in counts if n <= limit]
+        print(f"[labkit] skipping {', '.join(map(str, over))} workers: this machine has {limit} "
+              f"{what}, and workers sharing one would measure the sharing, not the scaling. "
+              f"Pass oversubscribe=True to run them anyway.")
+        if not counts:
+            raise ValueError(f"no worker count left to measure: use at most {limit}")
+    return counts
+
+
+def scaling_sweep(workers=None, *, modes=("weak", "strong"), per_worker_batch: int = 64,
+                  global_batch: int | None = None, model=None, input_shape=(3, 32, 32),
+                  num_classes: int = 10, steps: int = 20, warmup: int = 3, repeats: int = 3,
+                  threads: int | None = None, oversubscribe: bool = False,
+                  timeout: float | None = None, backend: str = "auto") -> list[dict]:
+    """Measure DDP training throughput for each worker count in ``workers``, in one launch.
+
+    ``"weak"`` scaling keeps ``per_worker_batch`` (the global batch grows with N); ``"strong"``
+    keeps ``global_batch`` (default ``per_worker_batch * max(workers)``) and splits it;
+    ``"independent"`` runs N workers with no gradient exchange at all, which measures what
+    the hardware allows (shared memory bandwidth, other tenants) apart from communication.
+    All counts run inside one launch of ``max(workers)`` ranks: a count of n uses ranks
+    0..n-1 (a process subgroup) while the others wait, and the repeats alternate the order of
+    the counts, so every figure is measured side by side under the same load. Inputs are
+    random tensors already in memory: this times compute and communication, not data loading.
+
+    Returns plain rows (``mode, workers, per_worker_batch, global_batch, step_s,
+    samples_per_s, speedup, efficiency, grad_bytes, step_s_all``), ``step_s`` the median over
+    the repeats; ``speedup`` is against the same mode's one-worker row.
+
+    Example::
+
+        >>> rows = scaling_sweep([1, 2], modes=("weak",), steps=10)
+        >>> round(rows[1]["efficiency"], 2)
+        0.93
+    """
+    from .launcher import launch
+
+    counts = _capped_workers(workers, oversubscribe, backend)
+    unknown = [m for m in modes if m not in SCALING_MODES]
+    if unknown or not modes:
+        raise ValueError(f"modes must name some of {', '.join(SCALING_MODES)}, got {modes!r}")
+    if steps < 1 or warmup < 0 or repeats < 1:
+        raise ValueError(f"need steps >= 1, warmup >= 0, repeats >= 1; got {steps}, {warmup}, "
+                         f"{repeats}")
+    from .ddp import per_worker_batch as split
+
+    if global_batch is None:
+        global_batch = per_worker_batch * counts[-1]
+    batches = {}
+    for mode in modes:
+        for n in counts:
+            batches[mode, n] = (split(global_batch, world_size=n) if mode == "strong"
+                                else per_worker_batch)
+    cores, _ = machine_workers("gloo")
+    if threads is None and (backend == "gloo" or not _gpus()):
+        threads = max(1, cores // counts[-1])
+    spec = {"counts": counts, "modes": list(modes), "batches": batches, "model": model,
+            "input_shape": tuple(input_shape), "num_classes": num_classes, "steps": steps,
+            "warmup": warmup, "repeats": repeats, "threads": threads}
+    times, grad_bytes = launch(_scaling_worker, spec, nproc=counts[-1], backend=backend,
+                               timeout=timeout, show_ranks=[0]).values[0]
+    return _scaling_rows(times, batches, grad_bytes)
+
+
+def _gpus() -> int:
+    from .profile import visible_gpu_count
+
+    return visible_gpu_count()
+
+
+def _scaling_rows(times: dict, batches: dict, grad_bytes: int) -> list[dict]:
+    """Rows from the raw step times; speedup and efficiency against each mode's 1-worker row."""
+    rows = []
+    for (mode, n), step_times in times.items():
+        b = batches[mode, n]
+        step = statistics.median(step_times)
+        rows.append({"mode": mode, "workers": n, "per_worker_batch": b, "global_batch": b * n,
+                     "step_s": step, "samples_per_s": b * n / step, "grad_bytes": grad_bytes,
+                     "step_s_all": list(step_times)})
+    for row in rows:
+        one = next((r for r in rows if r["mode"] == row["mode"] and r["workers"] == 1), None)
+        row["speedup"] = row["samples_per_s"] / one["samples_per_s"] if one else float("nan")
+        row["efficiency"] = row["speedup"] / row["workers"]
+    return sorted(rows, key=lambda r: (SCALING_MODES.index(r["mode"]), r["workers"]))
+
+
+def _scaling_worker(spec: dict):
+    """Worker side of :func:`scaling_sweep`: every rank runs this; rank 0's return is the result."""
+    import torch
+    import torch.distributed as dist
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    device = _device()
+    rank = dist.get_rank()
+    # Waiting ranks park on a gloo group: a NCCL barrier would keep their GPUs and CPUs busy.
+    coord = dist.new_group(backend="gloo")
+    # new_group is collective: every rank creates every subgroup, in the same order.
+    groups = {n: dist.new_group(list(range(n))) for n in spec["counts"] if n > 1}
+    from .models import convnet
+
+    make = spec["model"] or convnet
+    biggest = max(spec["batches"].values())
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(biggest, *spec["input_shape"], generator=gen).to(device)
+    y = torch.randint(0, spec["num_classes"], (biggest,), generator=gen).to(device)
+    grad_bytes = sum(p.numel() * p.element_size() for p in make().parameters())
+    # The 1-worker run is the same for weak and independent scaling: measure it once.
+    phases = [(m, n) for m in spec["modes"] for n in spec["counts"]
+              if not (m == "independent" and n == 1 and "weak" in spec["modes"])]
+    times: dict = {(m, n): [] for m in spec["modes"] for n in spec["counts"]}
+    for repeat in range(spec["repeats"]):
+        order = phases if repeat % 2 == 0 else phases[::-1]
+        for mode, n in order:
+            elapsed = 0.0
+            if rank < n:
+                group = groups.get(n) if mode != "independent" else None
+                b = spec["batches"][mode, n]
+                elapsed = _time_steps(make, group, x[:b], y[:b], spec["steps"], spec["warmup"],
+                                      device)
+            slowest = torch.tensor([elapsed], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=coord)
+            times[mode, n].append(slowest.item() / spec["steps"])
+    if "independent" in spec["modes"] and "weak" in spec["modes"]:
+        times["independent", 1] = times["weak", 1]
+    return times, grad_bytes
+
+
+def _time_steps(make, group, x, y, steps: int, warmup: int, device) -> float:
+    """Seconds for ``steps`` SGD steps of a fresh model, DDP over ``group`` when there is one."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = make().to(device)
+    if group is not None:
+        ids = [device.index] if device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if group is not None:  # start and stop together: a collective is as slow as its slowest
+            dist.barrier(group=group, **({"device_ids": [device.index]}
+                                         if device.type == "cuda" else {}))
+
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return time.perf_counter() - start
+
+
+def predict_scaling(rows: list[dict], allreduce_rows: list[dict], workers) -> list[dict]:
+    """A simple model of the same runs: compute time plus a ring all-reduce of the gradients.
+
+    ``step(N) = compute(N) + 2 (N-1) a + 2 (N-1)/N * S * b`` with ``S`` the gradient bytes and
+    ``a``, ``b`` one link's latency and seconds per byte, taken from ``allreduce_rows`` (an
+    :func:`allreduce_sweep` on some number of ranks, as notebook 00 measures). ``compute(N)`` is
+    the measured 1-worker step time for weak scaling and that time times ``1/N`` for strong
+    scaling (the per-worker batch shrinks). DDP overlaps the all-reduce with the backward pass,
+    so this is a pessimistic bound; where measurements fall below it, something else (memory
+    bandwidth, stragglers, a shared machine) costs more than the wire.
+
+    Example::
+
+        >>> predicted = predict_scaling(rows, allreduce_rows, workers=[1, 2, 4, 8, 16, 32, 64])
+    """
+    fit = fit_alpha_beta(allreduce_rows)
+    ranks = allreduce_rows[0]["ranks"]
+    if ranks < 2:
+        raise ValueError("the all-reduce rows come from one rank, where nothing crosses a link: "
+                         "measure them with nproc >= 2")
+    link_alpha = fit["alpha_s"] / (2 * (ranks - 1))
+    link_beta = fit["beta_s_per_byte"] * ranks / (2 * (ranks - 1))
+    predicted = []
+    for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "independent"):
+        one = next((r for r in rows if r["mode"] == mode and r["workers"] == 1), None)
+        if one is None:
+            raise ValueError(f"predicting '{mode}' scaling needs its 1-worker row")
+        for n in workers:
+            b = one["per_worker_batch"] if mode == "weak" else one["global_batch"] / n
+            compute = one["step_s"] * b / one["per_worker_batch"]
+            comm = (2 * (n - 1) * link_alpha + 2 * (n - 1) / n * one["grad_bytes"] * link_beta
+                    if n > 1 else 0.0)
+            step = compute + comm
+            sps = b * n / step
+            predicted.append({"mode": mode, "workers": n, "per_worker_batch": b,
+                              "global_batch": b * n, "step_s": step, "samples_per_s": sps,
+                              "speedup": sps / one["samples_per_s"],
+                              "efficiency": sps / one["samples_per_s"] / n, "predicted": True,
+                              "compute_s": compute, "allreduce_s": comm})
+    return predicted
+
+
+# ---- DDP internals: gradient buckets -----------------------------------------------------------
+
+
+def count_allreduces(ddp_model) -> dict:
+    """Count the all-reduces a DDP model launches: returns a dict that updates as it trains.
+
+    Registers a communication hook that does exactly what DDP does by default (all-reduce the
+    bucket, divide by the world size) and counts calls and bytes on the way. DDP reduces one
+    *bucket* per call, so the count per step is the number of buckets.
+
+    Example::
+
+        >>> counter = count_allreduces(model)          # model = DistributedDataParallel(...)
+        >>> loss.backward(); counter
+        {'calls': 1, 'bytes': 264872}
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    counter = {"calls": 0, "bytes": 0}
+
+    def hook(state, bucket):
+        state["calls"] += 1
+        state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp_model.register_comm_hook(counter, hook)
+    return counter
+
+
+def wide_mlp(width: int = 512, depth: int = 12, inputs: int = 512, num_classes: int = 10):
+    """An MLP with ``depth`` square layers: many parameters per FLOP, so buckets matter.
+
+    Example::
+
+        >>> sum(p.numel() for p in wide_mlp().parameters()) / 1e6     # million parameters
+        3.16
+    """
+    from torch import nn
+
+    layers = [nn.Linear(inputs, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
+
+
+def bucket_sweep(caps_mb, *, model=None, batch: int = 32, steps: int = 10,
+                 warmup: int = 2) -> list[dict]:
+    """Worker function: DDP step time and all-reduce calls per step for each ``bucket_cap_mb``.
+
+    DDP groups gradients into buckets of about ``bucket_cap_mb`` and all-reduces a bucket as
+    soon as backward has filled it, overlapping communication with the rest of backward. Small
+    buckets pay the per-call latency many times; one huge bucket waits for the whole backward
+    and overlaps nothing. Every rank returns the same rows: ``bucket_cap_mb, allreduces,
+    MB_per_step, step_s``.
+
+    Example::
+
+        >>> labkit.launch(bucket_sweep, [1, 25, 1000], nproc=2).values[0]
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    if not caps_mb or any(c <= 0 for c in caps_mb):
+        raise ValueError(f"caps_mb must be positive sizes in MB, e.g. [1, 25, 100], got {caps_mb}")
+    device = _device()
+    make = model or wide_mlp
+    probe = make()
+    inputs = next(m for m in probe.modules() if isinstance(m, nn.Linear)).in_features
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(batch, inputs, generator=gen).to(device)
+    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+    return [_bucket_row(make, cap, x, y, steps, warmup, device) for cap in caps_mb]
+
+
+def _bucket_row(make, cap, x, y, steps: int, warmup: int, device) -> dict:
+    """One :func:`bucket_sweep` row: a fresh DDP model with ``bucket_cap_mb=cap``, timed."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.manual_seed(0)
+    ids = [device.index] if device.type == "cuda" else None
+    model = nn.parallel.DistributedDataParallel(make().to(device), device_ids=ids,
+                                                bucket_cap_mb=cap)
+    counter = count_allreduces(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    # The warm-up also lets DDP rebuild its buckets, which it does after the first step.
+    for _ in range(max(warmup, 1)):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    calls, nbytes = counter["calls"], counter["bytes"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return {"bucket_cap_mb": cap, "allreduces": (counter["calls"] - calls) / steps,
+            "MB_per_step": (counter["bytes"] - nbytes) / steps / 1e6,
+            "step_s": elapsed.item() / steps}
+
+
 # ---- benchmarks run from a shell: python -m labkit bench [launch|allreduce] --------------------
 
 _BARE_SCRIPT = """\
@@ -269,6 +637,42 @@ def launch_overhead(repeats: int = 5, nproc: int = 2) -> dict:
     return {"nproc": nproc, "repeats": repeats, "launch_s": median_launch,
             "torchrun_s": median_bare, "ratio": median_launch / median_bare,
             "launch_all_s": launched, "torchrun_all_s": bared}
+
+
+def ddp_efficiency(nproc: int = 2, *, repeats: int = 3, steps: int = 20,
+                   per_worker_batch: int = 64) -> list[dict]:
+    """``bench ddp``: 1 against ``nproc`` workers, one thread each, same batch per worker.
+
+    Weak scaling of the compute-bound :func:`labkit.models.convnet` with DDP, plus the same
+    workers with no gradient exchange ("independent"): the ceiling the hardware allows, so
+    the gap between the two is what communication and synchronisation cost.
+
+    Example::
+
+        >>> rows = ddp_efficiency(2)
+        >>> [round(r["efficiency"], 2) for r in rows]
+        [1.0, 0.95, 1.0, 0.98]
+    """
+    return scaling_sweep([1, nproc], modes=("weak", "independent"), threads=1,
+                         per_worker_batch=per_worker_batch, steps=steps, warmup=3,
+                         repeats=repeats, backend="gloo")
+
+
+def _print_ddp(rows: list[dict]) -> None:
+    weak = {r["workers"]: r for r in rows if r["mode"] == "weak"}
+    free = {r["workers"]: r for r in rows if r["mode"] == "independent"}
+    n = max(weak)
+    print(f"DDP weak scaling (convnet, {weak[1]['per_worker_batch']} images per worker, one "
+          f"thread each, {weak[1]['grad_bytes'] / 1e3:.0f} kB of gradients per step)")
+    print(f"  {'workers':>7}  {'mode':<12}  {'samples/s':>10}  {'step ms':>8}  {'efficiency':>10}")
+    for r in rows:
+        if r["mode"] == "independent" and r["workers"] == 1:
+            continue
+        print(f"  {r['workers']:>7}  {r['mode']:<12}  {r['samples_per_s']:>10.1f}  "
+              f"{r['step_s'] * 1e3:>8.1f}  {r['efficiency']:>10.3f}")
+    print(f"  efficiency {n} workers = {weak[n]['efficiency']:.3f}   (target >= 0.90)")
+    print(f"  hardware ceiling (no communication) = {free[n]['efficiency']:.3f};  "
+          f"DDP / ceiling = {weak[n]['samples_per_s'] / free[n]['samples_per_s']:.3f}")
 
 
 def _print_launch(r: dict) -> None:
@@ -508,11 +912,11 @@ def _print_vgg16(rows: list[dict]) -> None:
               f"{mfu:>6}  {peak}")
 
 
-BENCHMARKS = ("launch", "allreduce", "vgg16")
+BENCHMARKS = ("launch", "allreduce", "ddp", "vgg16")
 
 
 def main(which: str = "all", repeats: int = 5) -> int:
-    """``python -m labkit bench [all|launch|allreduce|vgg16]``: run benchmarks, print their figures.
+    """``python -m labkit bench [all|launch|allreduce|ddp|vgg16]``: run benchmarks, print their figures.
 
     ``--repeats`` sets the launch benchmark's runs; vgg16 picks its sizes from the device.
     """
@@ -532,6 +936,8 @@ def main(which: str = "all", repeats: int = 5) -> int:
 
         sizes = message_sizes(1 << 10, 16 << 20)
         _print_allreduce(launch(allreduce_sweep, sizes, iters=10, nproc=2, show_ranks=[]).values[0])
+    if "ddp" in chosen:
+        _print_ddp(ddp_efficiency(2, repeats=repeats))
     if "vgg16" in chosen:  # in this process: one device, no workers needed
         _print_vgg16(vgg16_throughput())
     return 0

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_launch)
 
     bench = sub.add_parser("bench", help="run benchmarks and print their figures")
-    bench.add_argument("which", nargs="?", default="all", help="all, launch, ...")
+    bench.add_argument("which", nargs="?", default="all", help="all, launch, allreduce, ddp, vgg16")
     bench.add_argument("--repeats", type=int, default=5)
     bench.set_defaults(func=_bench)
     return parser

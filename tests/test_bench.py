@@ -328,3 +328,191 @@ def test_vgg16_throughput_on_a_gpu():
     assert rows[0]["precision"] in ("tf32", "fp32")
     compiled = rows[3]
     assert compiled["images_per_s"] or compiled["skipped"].startswith("torch.compile failed")
+
+
+# ------------------------------------------------------------ data-parallel scaling (notebook 02)
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    """A machine with two CPU cores and no GPU, whatever this one has."""
+    monkeypatch.setattr(bench, "machine_workers", lambda backend="auto": (2, "CPU cores"))
+
+
+def test_worker_counts_are_powers_of_two_and_the_limit():
+    assert bench.worker_counts(1) == [1]
+    assert bench.worker_counts(8) == [1, 2, 4, 8]
+    assert bench.worker_counts(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="at least one worker"):
+        bench.worker_counts(0)
+
+
+def test_machine_workers_counts_cores_for_gloo(monkeypatch):
+    import os
+
+    monkeypatch.setattr("labkit.profile.visible_gpu_count", lambda: 4)
+    assert bench.machine_workers() == (4, "GPUs")
+    assert bench.machine_workers("gloo") == (len(os.sched_getaffinity(0)), bench.machine_workers(
+        "gloo")[1])
+    assert "CPU core" in bench.machine_workers("gloo")[1]
+
+
+def test_worker_counts_beyond_the_machine_are_skipped_with_a_message(two_cores, capsys):
+    assert bench._capped_workers([8, 1, 2, 4, 2], False, "auto") == [1, 2]
+    out = capsys.readouterr().out
+    assert "skipping 4, 8 workers: this machine has 2 CPU cores" in out
+    assert "oversubscribe=True" in out
+    assert bench._capped_workers([1, 4], True, "auto") == [1, 4]  # asked for: no message
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("workers, match", [
+    ([], "positive integers"), ([0, 1], "positive integers"), ([1.5], "positive integers"),
+    ([4, 8], "no worker count left"),
+])
+def test_bad_worker_counts_are_refused(two_cores, workers, match):
+    with pytest.raises(ValueError, match=match):
+        bench._capped_workers(workers, False, "auto")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"modes": ("weak", "fast")}, "modes must name some of weak, strong, independent"),
+    ({"modes": ()}, "modes must name"),
+    ({"steps": 0}, "need steps >= 1"),
+    ({"repeats": 0}, "repeats >= 1"),
+    ({"modes": ("strong",), "global_batch": 63}, "63 does not split evenly over 2 workers"),
+])
+def test_scaling_sweep_refuses_bad_arguments_before_launching(two_cores, monkeypatch, kwargs,
+                                                                match):
+    monkeypatch.setattr("labkit.launcher.launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=match):
+        bench.scaling_sweep([1, 2], **kwargs)
+
+
+def test_scaling_rows_speedup_and_efficiency():
+    times = {("weak", 1): [0.2, 0.1, 0.3], ("weak", 2): [0.25], ("strong", 1): [0.4],
+             ("strong", 2): [0.25]}
+    batches = {("weak", 1): 8, ("weak", 2): 8, ("strong", 1): 16, ("strong", 2): 8}
+    rows = bench._scaling_rows(times, batches, grad_bytes=1000)
+    assert [(r["mode"], r["workers"]) for r in rows] == [("weak", 1), ("weak", 2), ("strong", 1),
+                                                         ("strong", 2)]
+    weak1, weak2, strong1, strong2 = rows
+    assert weak1["step_s"] == 0.2 and weak1["samples_per_s"] == pytest.approx(40)  # the median
+    assert weak2["global_batch"] == 16 and weak2["samples_per_s"] == pytest.approx(64)
+    assert weak2["speedup"] == pytest.approx(1.6) and weak2["efficiency"] == pytest.approx(0.8)
+    assert strong2["global_batch"] == strong1["global_batch"] == 16
+    assert strong2["speedup"] == pytest.approx(1.6)
+    assert weak1["step_s_all"] == [0.2, 0.1, 0.3] and weak1["grad_bytes"] == 1000
+
+
+def _allreduce_rows(ranks, alpha, beta):
+    return [{"bytes": b, "seconds": alpha + b * beta, "ranks": ranks}
+            for b in message_sizes(1 << 10, 1 << 20)]
+
+
+def test_predict_scaling_is_compute_plus_a_ring_allreduce():
+    rows = [{"mode": "weak", "workers": 1, "per_worker_batch": 10, "global_batch": 10,
+             "step_s": 0.1, "samples_per_s": 100.0, "grad_bytes": 1_000_000},
+            {"mode": "strong", "workers": 1, "per_worker_batch": 40, "global_batch": 40,
+             "step_s": 0.4, "samples_per_s": 100.0, "grad_bytes": 1_000_000}]
+    # measured on 2 ranks: one link's alpha is half the call's, its beta the call's
+    predicted = bench.predict_scaling(rows, _allreduce_rows(2, 20e-6, 1e-9), [1, 2, 4])
+    by = {(p["mode"], p["workers"]): p for p in predicted}
+    assert by["weak", 1]["allreduce_s"] == 0 and by["weak", 1]["speedup"] == pytest.approx(1)
+    ring4 = 2 * 3 * 10e-6 + 2 * 3 / 4 * 1_000_000 * 1e-9
+    assert by["weak", 4]["allreduce_s"] == pytest.approx(ring4, rel=1e-6)
+    assert by["weak", 4]["step_s"] == pytest.approx(0.1 + ring4, rel=1e-6)
+    assert by["weak", 4]["samples_per_s"] == pytest.approx(40 / (0.1 + ring4), rel=1e-6)
+    assert by["strong", 4]["compute_s"] == pytest.approx(0.1)  # a quarter of the batch each
+    assert by["strong", 4]["global_batch"] == pytest.approx(40)
+    assert all(p["predicted"] for p in predicted)
+    # compute taken as proportional to the batch: at 4 workers each has the weak batch again
+    assert by["strong", 4]["efficiency"] == pytest.approx(by["weak", 4]["efficiency"])
+    assert by["weak", 2]["efficiency"] < by["strong", 2]["efficiency"] < 1
+
+
+def test_predict_scaling_needs_two_ranks_and_a_one_worker_row():
+    one = {"mode": "weak", "workers": 1, "per_worker_batch": 10, "global_batch": 10,
+           "step_s": 0.1, "samples_per_s": 100.0, "grad_bytes": 1000}
+    with pytest.raises(ValueError, match="nproc >= 2"):
+        bench.predict_scaling([one], _allreduce_rows(1, 1e-5, 1e-9), [1, 2])
+    with pytest.raises(ValueError, match="needs its 1-worker row"):
+        bench.predict_scaling([{**one, "workers": 2}], _allreduce_rows(2, 1e-5, 1e-9), [1, 2])
+
+
+def test_bucket_sweep_counts_buckets_on_one_rank(group):
+    rows = bench.bucket_sweep([0.25, 100], batch=4, steps=1, warmup=1)
+    assert [r["bucket_cap_mb"] for r in rows] == [0.25, 100]
+    params_mb = sum(p.numel() * 4 for p in bench.wide_mlp().parameters()) / 1e6
+    assert all(r["MB_per_step"] == pytest.approx(params_mb) for r in rows)
+    assert rows[0]["allreduces"] > 10 and rows[1]["allreduces"] <= 2 and rows[1]["step_s"] > 0
+
+
+@pytest.mark.parametrize("caps", [[], [0], [1, -2]])
+def test_bucket_sweep_rejects_bad_caps(caps):
+    with pytest.raises(ValueError, match="caps_mb must be positive sizes"):
+        bench.bucket_sweep(caps)
+
+
+@pytest.mark.slow
+def test_scaling_sweep_two_workers_in_one_launch(two_cores):
+    from functools import partial
+
+    from labkit.models import convnet
+
+    rows = bench.scaling_sweep([1, 2], modes=("weak", "strong", "independent"),
+                               per_worker_batch=4, model=partial(convnet, width=4), steps=2,
+                               warmup=1, repeats=2)
+    got = {(r["mode"], r["workers"]): r for r in rows}
+    assert sorted(got) == sorted((m, n) for m in ("weak", "strong", "independent") for n in (1, 2))
+    assert [got["weak", n]["global_batch"] for n in (1, 2)] == [4, 8]
+    assert [got["strong", n]["per_worker_batch"] for n in (1, 2)] == [8, 4]
+    assert got["independent", 1]["step_s_all"] == got["weak", 1]["step_s_all"]  # measured once
+    assert all(len(r["step_s_all"]) == 2 and r["step_s"] > 0 for r in rows)
+    assert all(got[m, 1]["speedup"] == 1 for m in ("weak", "strong", "independent"))
+    params = sum(p.numel() * 4 for p in convnet(width=4).parameters())
+    assert {r["grad_bytes"] for r in rows} == {params}
+
+
+def test_bench_ddp_prints_efficiency_and_the_ceiling(monkeypatch, capsys):
+    times = {("weak", 1): [0.1], ("weak", 2): [0.125], ("independent", 1): [0.1],
+             ("independent", 2): [0.11]}
+    batches = dict.fromkeys(times, 64)
+    monkeypatch.setattr(bench, "ddp_efficiency",
+                        lambda nproc, repeats: bench._scaling_rows(times, batches, 264872))
+    assert "ddp" in BENCHMARKS
+    assert bench.main("ddp") == 0
+    out = capsys.readouterr().out
+    assert "64 images per worker, one thread each, 265 kB of gradients" in out
+    assert "efficiency 2 workers = 0.800   (target >= 0.90)" in out
+    assert "hardware ceiling (no communication) = 0.909;  DDP / ceiling = 0.880" in out
+
+
+@pytest.mark.gpu
+def test_scaling_sweep_on_gpus():
+    from functools import partial
+
+    from labkit.models import convnet
+
+    counts = bench.worker_counts()  # every GPU here
+    rows = bench.scaling_sweep(counts, modes=("weak",), per_worker_batch=64,
+                               model=partial(convnet, width=64), steps=5, repeats=1)
+    assert [r["workers"] for r in rows] == counts
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    if len(counts) > 1:
+        assert rows[-1]["efficiency"] > 0.5
+
+
+@pytest.mark.gpu
+def test_bucket_sweep_on_a_gpu_with_nccl(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        rows = bench.bucket_sweep([0.25, 100], batch=64, steps=3)
+    finally:
+        dist.destroy_process_group()
+    assert rows[0]["allreduces"] > rows[1]["allreduces"] >= 1
