@@ -46,11 +46,12 @@ def per_worker_batch(global_batch: int, *, world_size: int | None = None,
         raise ValueError(f"need global_batch >= 1 and world_size >= 1, got {global_batch} and {world}")
     if global_batch % world:
         lower, upper = global_batch // world * world, (global_batch // world + 1) * world
+        near = f"{lower} or {upper}" if lower else f"{upper} or {2 * upper}"
         options = ", ".join(str(n) for n in _divisors(global_batch) if n != world)
         raise ValueError(
             f"a global batch of {global_batch} does not split evenly over {world} workers: use a "
-            f"multiple of {world} (e.g. {lower or upper} or {upper}), or a worker count that "
-            f"divides {global_batch} ({options})")
+            f"multiple of {world} (e.g. {near}), or a worker count that divides {global_batch} "
+            f"({options})")
     if dataset_size is not None:
         per_worker_samples = dataset_size // world  # DistributedSampler(drop_last=True)
         if per_worker_samples < global_batch // world:

@@ -561,5 +561,8 @@ def stray_workers() -> list[str]:
         except (psutil.Error, OSError):  # gone meanwhile, or another user's process
             continue
         if controller == me:
-            found.append(f"{proc.info['pid']}: {cmdline[:200]}")
+            line = " ".join(cmdline.split())  # the agent's boot script spans several lines
+            if len(line) > 160:  # keep the start and the run folder at the end
+                line = f"{line[:60]} ... {line[-95:]}"
+            found.append(f"{proc.info['pid']}: {line}")
     return found

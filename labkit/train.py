@@ -287,6 +287,8 @@ def large_batch_experiment(train_set, val_set, batches, *, base_batch: int, base
         raise ValueError(f"rules must be some of {LR_RULES}, got {rules!r}")
     if epochs < 1 or warmup_epochs < 0:
         raise ValueError(f"need epochs >= 1 and warmup_epochs >= 0, got {epochs}, {warmup_epochs}")
+    if base_lr <= 0 or base_batch < 1:
+        raise ValueError(f"need base_lr > 0 and base_batch >= 1, got {base_lr}, {base_batch}")
     x, y = to_float_tensors(train_set)
     x_val, y_val = to_float_tensors(val_set)
     too_big = [b for b in batches if not 1 <= b <= len(x)]
@@ -318,6 +320,7 @@ def large_batch_experiment(train_set, val_set, batches, *, base_batch: int, base
                     nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
                     opt.step()
                     step += 1
+            model.eval()  # BatchNorm and dropout, if model_fn has them, in inference mode
             with torch.no_grad():
                 logits = model(x_val)
             acc = (logits.argmax(1) == y_val).float().mean().item()

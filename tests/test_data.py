@@ -627,3 +627,18 @@ def test_docstring_examples_hold():
 
     failed, tried = doctest.testmod(data, optionflags=doctest.ELLIPSIS)
     assert tried > 10 and failed == 0
+
+
+def test_to_float_tensors_centres_pixels_on_zero_and_matches_to_tensors():
+    import torch
+
+    s = _set()
+    s.images[0, 0, 0] = 0
+    s.images[0, 0, 1] = 255
+    x, y = data.to_float_tensors(s)
+    images, labels = data.to_tensors(s)
+    assert x.dtype == torch.float32 and x.shape == (12, 3, 8, 8)
+    assert y.dtype == torch.int64 and torch.equal(y, labels)
+    assert x.min().item() == -0.5 and x.max().item() == 0.5
+    assert torch.allclose(x, images.float() / 255 - 0.5)
+    assert x[0, :, 0, 2].tolist() == pytest.approx([v / 255 - 0.5 for v in s.images[0, 0, 2]])

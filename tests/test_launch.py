@@ -512,3 +512,61 @@ def cuda_all_reduce():
     t = torch.ones(1, device="cuda")
     dist.all_reduce(t)
     return {"device": str(t.device), "sum": t, "backend": dist.get_backend()}
+
+
+# ---- stray_workers ---------------------------------------------------------------------------
+
+
+def test_stray_workers_lists_a_running_launch_and_nothing_after_it():
+    from labkit.launcher import stray_workers
+
+    seen, started, done = [], set(), threading.Event()
+
+    def go():
+        try:
+            launch(sleep_then_return, 4.0, nproc=2, show_ranks=[])
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not done.is_set() and time.monotonic() < deadline:
+            seen = stray_workers()
+            if sum("-m labkit._worker" in s for s in seen) >= 2:  # both workers have started
+                started = {p.pid for p in workers_of(os.getpid())}
+                break
+            time.sleep(0.2)
+    finally:
+        thread.join(120)
+    live = {int(s.split(":")[0]) for s in seen}
+    assert len(live) >= 3, f"torchrun and two workers should be listed while running: {seen}"
+    assert live <= started, "only processes this controller started are listed"
+    assert stray_workers() == []
+
+
+def sleep_then_return(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def test_stray_workers_finds_a_worker_of_this_controller_only():
+    from labkit.launcher import stray_workers
+
+    def fake_worker(controller_pid):
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
+                                 "labkit._worker"],
+                                env=dict(os.environ, LABKIT_CONTROLLER_PID=str(controller_pid)))
+
+    mine, other = fake_worker(os.getpid()), fake_worker(os.getpid() + 1_000_000)
+    try:
+        listed = {int(s.split(":")[0]): s for s in stray_workers()}
+        assert mine.pid in listed
+        assert "labkit._worker" in listed[mine.pid]
+        assert other.pid not in listed
+    finally:
+        for proc in (mine, other):
+            proc.kill()
+            proc.wait()
+    assert stray_workers() == []

@@ -16,11 +16,13 @@ from torch import nn
 from labkit import models
 from labkit.models import (
     IMAGENET,
+    convnet,
     count_parameters,
     freeze,
     imagenet_checkpoint_path,
     load_checkpoint,
     replace_head,
+    small_cnn,
     unfreeze,
     vgg16,
 )
@@ -265,3 +267,44 @@ def test_replace_head_errors():
         replace_head(vgg16(10, width=W), 0)
     with pytest.raises(TypeError, match=r"VGG-style model.*Linear"):
         replace_head(nn.Sequential(nn.Linear(2, 2)), 3)
+
+
+# ------------------------------------------------------------ small nets of the DDP lessons
+
+
+def test_convnet_has_66218_parameters_at_the_default_width():
+    assert sum(p.numel() for p in convnet().parameters()) == 66218
+
+
+@pytest.mark.parametrize("size", [16, 32, 64])
+def test_convnet_takes_any_image_size(size):
+    assert convnet()(torch.zeros(2, 3, size, size)).shape == (2, 10)
+
+
+def test_convnet_classes_width_and_channels():
+    model = convnet(num_classes=5, width=8, in_channels=1)
+    assert model(torch.zeros(3, 1, 32, 32)).shape == (3, 5)
+    assert model[0].out_channels == 8 and model[-1].in_features == 16
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+@pytest.mark.parametrize("image_size", [16, 32])
+def test_small_cnn_output_shape(image_size):
+    model = small_cnn(7, image_size=image_size)
+    assert model(torch.zeros(4, 3, image_size, image_size)).shape == (4, 7)
+
+
+def test_small_cnn_has_batch_norm_only_when_asked():
+    def norms(model):
+        return [m.num_features for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+
+    assert norms(small_cnn(width=8)) == []
+    with_bn = small_cnn(width=8, batch_norm=True)
+    assert norms(with_bn) == [8, 16]
+    assert with_bn(torch.zeros(2, 3, 16, 16)).shape == (2, 10)
+
+
+@pytest.mark.parametrize("image_size", [0, 2, 6, 18])
+def test_small_cnn_image_size_must_be_a_multiple_of_4(image_size):
+    with pytest.raises(ValueError, match=f"image_size must be a multiple of 4.*got {image_size}"):
+        small_cnn(image_size=image_size)

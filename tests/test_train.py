@@ -1,10 +1,20 @@
 """labkit.train: the shared loop learns, records a history, and refuses bad settings."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit.train import TrainConfig, evaluate, fit
+from labkit.train import (
+    LR_RULES,
+    TrainConfig,
+    evaluate,
+    fit,
+    large_batch_experiment,
+    linear_scaled_lr,
+    warmup_lr,
+)
 
 
 def blobs(n=256, seed=0):
@@ -63,3 +73,86 @@ def test_everything_frozen_is_a_clear_error():
 def test_bad_config(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kwargs)
+
+
+# ---- large-batch training: linear scaling and warm-up --------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def digit_split():
+    """300 16x16 digits split 240/60: big enough to train on, small enough for seconds."""
+    from labkit import data
+
+    return data.split(data.take(data.digits(image_size=16), 30), 0.2)
+
+
+def batch_rows():
+    train, val = digit_split()
+    return large_batch_experiment(train, val, [16, 64], base_batch=16, base_lr=0.05, epochs=1,
+                                  rules=("same lr", "linear scaling + warmup"))
+
+
+@functools.lru_cache(maxsize=1)
+def first_batch_rows():
+    return batch_rows()
+
+
+def test_lr_rules_are_the_three_of_the_lesson():
+    assert LR_RULES == ("same lr", "linear scaling", "linear scaling + warmup")
+
+
+@pytest.mark.parametrize("base_lr, base_batch, batch, expected", [
+    (0.1, 256, 8192, 3.2),
+    (0.05, 16, 64, 0.2),
+    (0.1, 256, 128, 0.05),
+    (0.01, 32, 32, 0.01),
+])
+def test_linear_scaled_lr_multiplies_the_lr_by_the_batch_ratio(base_lr, base_batch, batch,
+                                                               expected):
+    assert linear_scaled_lr(base_lr, base_batch, batch) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("args", [(0, 16, 64), (-0.1, 16, 64), (0.1, 0, 64), (0.1, 16, 0)])
+def test_linear_scaled_lr_rejects_non_positive_values(args):
+    with pytest.raises(ValueError, match="need base_lr > 0 and batches >= 1"):
+        linear_scaled_lr(*args)
+
+
+def test_warmup_lr_ramps_linearly_then_holds():
+    assert [warmup_lr(1.0, s, 4) for s in range(6)] == pytest.approx(
+        [0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    assert warmup_lr(0.2, 0, 10) == pytest.approx(0.02)
+    assert warmup_lr(0.3, 0, 0) == 0.3, "no warm-up steps: the target from the first step"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rules=("cosine",)), r"rules must be some of \('same lr'"),
+    (dict(rules=()), "rules must be some of"),
+    (dict(epochs=0), "need epochs >= 1"),
+    (dict(batches=[16, 241]), r"global batches \[241\] do not fit the 240 training samples"),
+    (dict(batches=[0]), r"global batches \[0\] do not fit"),
+    (dict(base_lr=0.0), "need base_lr > 0"),
+    (dict(base_lr=-0.05), "need base_lr > 0"),
+])
+def test_large_batch_experiment_bad_settings(kwargs, message):
+    train, val = digit_split()
+    settings = dict(batches=[16], base_batch=16, base_lr=0.05, epochs=1,
+                    rules=("linear scaling",)) | kwargs
+    with pytest.raises(ValueError, match=message):
+        large_batch_experiment(train, val, settings.pop("batches"), **settings)
+
+
+def test_large_batch_experiment_rows_scale_the_lr_and_count_the_steps():
+    rows = first_batch_rows()
+    assert [(r["global_batch"], r["rule"]) for r in rows] == [
+        (16, "same lr"), (16, "linear scaling + warmup"),
+        (64, "same lr"), (64, "linear scaling + warmup")]
+    assert all(set(r) == {"global_batch", "rule", "lr", "steps", "val_acc"} for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx([0.05, 0.05, 0.05, 0.2])
+    assert [r["steps"] for r in rows] == [240 // 16, 240 // 16, 240 // 64, 240 // 64]
+    assert all(0.0 <= r["val_acc"] <= 1.0 for r in rows)
+    assert rows[0]["val_acc"] > 0.2, "15 steps at batch 16 learn more than chance (0.1)"
+
+
+def test_large_batch_experiment_is_deterministic():
+    assert batch_rows() == first_batch_rows()
