@@ -299,12 +299,15 @@ def large_batch_experiment(train_set, val_set, batches, *, base_batch: int, base
     make = model_fn or (lambda: small_cnn(len(train_set.classes), image_size=image_size))
     torch.manual_seed(seed)
     initial = make().state_dict()
-    rows = []
+    rows, done = [], {}
     for batch in batches:
         steps_per_epoch = len(x) // batch
         for rule in rules:
             lr = base_lr if rule == "same lr" else linear_scaled_lr(base_lr, base_batch, batch)
             warmup = round(warmup_epochs * steps_per_epoch) if rule.endswith("warmup") else 0
+            if (batch, lr, warmup) in done:  # at the base batch two rules are the same run
+                rows.append({**done[batch, lr, warmup], "rule": rule})
+                continue
             model = make()
             model.load_state_dict(initial)
             opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -326,4 +329,5 @@ def large_batch_experiment(train_set, val_set, batches, *, base_batch: int, base
             acc = (logits.argmax(1) == y_val).float().mean().item()
             rows.append({"global_batch": batch, "rule": rule, "lr": lr, "steps": step,
                          "val_acc": 0.0 if torch.isnan(logits).any() else acc})
+            done[batch, lr, warmup] = rows[-1]
     return rows

@@ -156,3 +156,21 @@ def test_large_batch_experiment_rows_scale_the_lr_and_count_the_steps():
 
 def test_large_batch_experiment_is_deterministic():
     assert batch_rows() == first_batch_rows()
+
+
+def test_large_batch_experiment_trains_each_distinct_run_once():
+    from labkit.models import small_cnn
+
+    built = []
+
+    def make():
+        built.append(1)
+        return small_cnn(10, image_size=16, width=4)
+
+    train_set, val_set = digit_split()
+    rows = large_batch_experiment(train_set, val_set, [16, 64], base_batch=16, base_lr=0.05,
+                                  epochs=1, rules=("same lr", "linear scaling"), model_fn=make)
+    # at the base batch both rules use lr 0.05 with no warm-up: one run serves both rows
+    assert len(built) == 1 + 3 and len(rows) == 4  # the initial weights, then three runs
+    assert rows[0]["val_acc"] == rows[1]["val_acc"] and rows[1]["rule"] == "linear scaling"
+    assert rows[2]["lr"] == 0.05 and rows[3]["lr"] == pytest.approx(0.2)
