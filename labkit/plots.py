@@ -369,6 +369,7 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
         >>> fig = scaling_plot(rows, prediction=model)   # model rows up to 64 workers
     """
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     advice = "pass the rows labkit.bench.scaling_sweep returned"
     if not rows:
@@ -385,11 +386,13 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
     fig, (ax_tput, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax_eff = ax_speed.twinx()
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ideals: set = set()
     for i, mode in enumerate(modes):
         colour = colours[i % len(colours)]
         seen, model = measured.get(mode, []), predicted.get(mode, [])
         one = next((r for r in seen if r["workers"] == 1), None)
-        if one is not None:
+        if one is not None and one["samples_per_s"] not in ideals:  # weak's and independent's
+            ideals.add(one["samples_per_s"])  # one-worker runs are the same run: draw it once
             span = sorted({r["workers"] for r in [*seen, *model]})  # ideal as far as the model
             # grey for every mode, so with two modes only the label tells the ideals apart
             prefix = f"{mode} " if len(modes) > 1 else ""
@@ -415,20 +418,25 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
     log = workers[-1] > 8  # 1 .. 64 on a linear axis crowds every measured point at the left
     for ax in (ax_tput, ax_speed):
         _integer_ticks(ax, workers, log)
+        if log:  # log-log: a constant efficiency is a straight line parallel to the ideal
+            ax.set_yscale("log", base=2)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax.set_xlabel("workers")
         ax.grid(True, alpha=0.3)
     ax_tput.set_ylabel("samples / s")
     ax_tput.set_title("throughput")
-    ax_tput.legend(fontsize=8)
+    ax_tput.legend(fontsize=8, loc="best")
     ax_speed.set_ylabel("speedup (x one worker)")
     ax_speed.set_title("speedup and efficiency")
     ax_eff.set_ylim(0, 1.1)
     ax_eff.set_ylabel("efficiency")
     # one legend for both y axes (two would overlap); centre left lies between efficiency,
-    # which starts at 1 top left, and speedup, which starts at 1 bottom left
+    # which starts at 1 top left, and speedup, which starts at 1 bottom left; on log-log axes
+    # the curves rise from bottom left to top right and leave the bottom right free
     handles, labels = ax_speed.get_legend_handles_labels()
     more, more_labels = ax_eff.get_legend_handles_labels()
-    ax_eff.legend(handles + more, labels + more_labels, fontsize=8, loc="center left")
+    ax_eff.legend(handles + more, labels + more_labels, fontsize=8,
+                  loc="lower right" if log else "center left")
     fig.tight_layout()
     return fig
 

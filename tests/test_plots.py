@@ -446,3 +446,22 @@ def test_large_batch_plot_rejects_what_it_cannot_draw(rows, match):
 
     with pytest.raises(ValueError, match=match):
         large_batch_plot(rows)
+
+
+def test_scaling_plot_draws_one_ideal_for_the_shared_one_worker_run_and_log_log_to_64():
+    from labkit.plots import scaling_plot
+
+    def row(mode, n, sps):
+        return {"mode": mode, "workers": n, "samples_per_s": sps, "speedup": sps / 100,
+                "efficiency": sps / 100 / n}
+
+    rows = [row("weak", 1, 100), row("weak", 2, 180), row("independent", 1, 100),
+            row("independent", 2, 190)]
+    model = [{**row("weak", n, 100 * n * 0.9), "predicted": True} for n in (1, 2, 4, 64)]
+    fig = scaling_plot(rows, model)
+    ax_tput, ax_speed = fig.axes[:2]
+    ideals = [line for line in ax_tput.get_lines() if "ideal" in line.get_label()]
+    assert len(ideals) == 1, "weak and independent share their one-worker run: one ideal line"
+    assert ax_tput.get_yscale() == "log" and ax_speed.get_yscale() == "log"
+    assert fig.axes[2].get_yscale() == "linear"  # efficiency stays on a 0..1.1 linear axis
+    fig.canvas.draw()
