@@ -362,7 +362,7 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
                 raise _timed_out(run, nproc, timeout, logs)
             if time.monotonic() - last_output > _HEARTBEAT:
                 running = nproc - len(list(run.run_dir.glob("result-*.pkl")))
-                print(f"[labkit] {elapsed:.0f} s elapsed, {running} of {nproc} rank(s) still running")
+                print(_progress_line(elapsed, running, nproc))
                 last_output = time.monotonic()
         run.proc.wait()
         seconds = time.monotonic() - start
@@ -377,6 +377,14 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
         raise
     finally:
         _stop(run)
+
+
+def _progress_line(elapsed: float, running: int, nproc: int) -> str:
+    """The heartbeat of a quiet run; once every rank has returned, say what is left to wait for."""
+    if running <= 0:
+        return (f"[labkit] {elapsed:.0f} s elapsed: all {nproc} rank(s) have returned; waiting "
+                f"for torchrun to shut the workers down")
+    return f"[labkit] {elapsed:.0f} s elapsed, {running} of {nproc} rank(s) still running"
 
 
 def _route(line: str, logs: dict, agent_log: list, show) -> None:

@@ -124,6 +124,14 @@ def test_show_ranks_filters_and_a_quiet_run_shows_progress(capsys, monkeypatch):
     assert "s elapsed, 2 of 2 rank(s) still running" in out
 
 
+def test_progress_line_says_when_only_the_shutdown_is_left():
+    from labkit.launcher import _progress_line
+
+    assert _progress_line(31.2, 2, 2) == "[labkit] 31 s elapsed, 2 of 2 rank(s) still running"
+    assert _progress_line(60, 0, 2) == ("[labkit] 60 s elapsed: all 2 rank(s) have returned; "
+                                        "waiting for torchrun to shut the workers down")
+
+
 def print_rank_then_wait():
     import torch.distributed as dist
 
