@@ -306,21 +306,14 @@ def scaling_sweep(workers=None, *, modes=("weak", "strong"), per_worker_batch: i
         for n in counts:
             batches[mode, n] = (split(global_batch, world_size=n) if mode == "strong"
                                 else per_worker_batch)
-    cores, _ = machine_workers("gloo")
-    if threads is None and (backend == "gloo" or not _gpus()):
-        threads = max(1, cores // counts[-1])
+    if threads is None and machine_workers(backend)[1].startswith("CPU"):
+        threads = max(1, machine_workers("gloo")[0] // counts[-1])
     spec = {"counts": counts, "modes": list(modes), "batches": batches, "model": model,
             "input_shape": tuple(input_shape), "num_classes": num_classes, "steps": steps,
             "warmup": warmup, "repeats": repeats, "threads": threads}
     times, grad_bytes = launch(_scaling_worker, spec, nproc=counts[-1], backend=backend,
                                timeout=timeout, show_ranks=[0]).values[0]
     return _scaling_rows(times, batches, grad_bytes)
-
-
-def _gpus() -> int:
-    from .profile import visible_gpu_count
-
-    return visible_gpu_count()
 
 
 def _scaling_rows(times: dict, batches: dict, grad_bytes: int) -> list[dict]:

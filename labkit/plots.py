@@ -399,20 +399,15 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
             label = f"{prefix}ideal (N x one worker)"
             ax_tput.plot(span, [one["samples_per_s"] * n for n in span], ":", color="grey",
                          label=label)
+        for runs, style, kind in ((seen, "o-", "measured"), (model, "--", "model")):
+            if runs:
+                x = [r["workers"] for r in runs]
+                for ax, key in ((ax_tput, "samples_per_s"), (ax_speed, "speedup")):
+                    ax.plot(x, [r[key] for r in runs], style, color=colour,
+                            label=f"{mode} {kind}")
         if seen:
-            x = [r["workers"] for r in seen]
-            ax_tput.plot(x, [r["samples_per_s"] for r in seen], "o-", color=colour,
-                         label=f"{mode} measured")
-            ax_speed.plot(x, [r["speedup"] for r in seen], "o-", color=colour,
-                          label=f"{mode} measured")
-            ax_eff.plot(x, [r["efficiency"] for r in seen], "s:", color=colour, alpha=0.5,
-                        markersize=4, label=f"{mode} efficiency")
-        if model:
-            x = [r["workers"] for r in model]
-            ax_tput.plot(x, [r["samples_per_s"] for r in model], "--", color=colour,
-                         label=f"{mode} model")
-            ax_speed.plot(x, [r["speedup"] for r in model], "--", color=colour,
-                          label=f"{mode} model")
+            ax_eff.plot([r["workers"] for r in seen], [r["efficiency"] for r in seen], "s:",
+                        color=colour, alpha=0.5, markersize=4, label=f"{mode} efficiency")
     ax_speed.plot(workers, workers, ":", color="grey", label="ideal (speedup = N)")
 
     log = workers[-1] > 8  # 1 .. 64 on a linear axis crowds every measured point at the left

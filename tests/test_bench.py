@@ -181,19 +181,23 @@ def test_two_ranks_agree_on_sum_and_times(tmp_path):
 # ---------------------------------------------------------------------------------- on GPUs
 
 
-@pytest.mark.gpu
-def test_sweep_on_a_gpu_with_nccl(tmp_path):
+@pytest.fixture
+def nccl_group(tmp_path):
+    """A one-rank NCCL group on GPU 0 in this process: the worker functions on a GPU."""
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                             world_size=1, device_id=torch.device("cuda", 0))
-    try:
-        assert check_allreduce() == 1.0
-        rows = allreduce_sweep(message_sizes(1024, 1 << 20), iters=5, warmup=2)
-    finally:
-        dist.destroy_process_group()
+    yield dist
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_sweep_on_a_gpu_with_nccl(nccl_group):
+    assert check_allreduce() == 1.0
+    rows = allreduce_sweep(message_sizes(1024, 1 << 20), iters=5, warmup=2)
     assert all(r["backend"] == "nccl" and r["seconds"] > 0 and r["algbw_GBps"] > 0 for r in rows)
 
 
@@ -504,15 +508,6 @@ def test_scaling_sweep_on_gpus():
 
 
 @pytest.mark.gpu
-def test_bucket_sweep_on_a_gpu_with_nccl(tmp_path):
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1, device_id=torch.device("cuda", 0))
-    try:
-        rows = bench.bucket_sweep([0.25, 100], batch=64, steps=3)
-    finally:
-        dist.destroy_process_group()
+def test_bucket_sweep_on_a_gpu_with_nccl(nccl_group):
+    rows = bench.bucket_sweep([0.25, 100], batch=64, steps=3)
     assert rows[0]["allreduces"] > rows[1]["allreduces"] >= 1
