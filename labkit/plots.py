@@ -7,7 +7,8 @@ a worker, a shell) matplotlib falls back to the Agg backend by itself.
 from __future__ import annotations
 
 __all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
-           "live_training_curves", "scaling_plot", "large_batch_plot"]
+           "live_training_curves", "scaling_plot", "large_batch_plot", "pipeline_timeline",
+           "bubble_plot"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -467,5 +468,106 @@ def large_batch_plot(rows: list[dict], ax=None):
     ax.set_title("large-batch training: accuracy against global batch")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+# ---- pipeline parallelism: timelines and the bubble ---------------------------------------------
+
+_PIPELINE_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}  # forward blue, backward orange
+
+
+def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 0, ax=None):
+    """Gantt chart of one pipeline step: one row per rank, F and B blocks, idle as gaps.
+
+    Each block carries its micro-batch number; the white space between blocks is the bubble
+    (and, on real hardware, waiting for messages). Events of several steps (``run_pipeline``
+    with ``steps > 1``) are filtered to ``step``. Draws on ``ax`` when given; returns the
+    Figure.
+
+    Example::
+
+        >>> out = labkit.launch(run_pipeline, stage_builder(mlp_stack), "1f1b", 4,
+        ...                     example_batch(256), nproc=2).values[0]
+        >>> fig = pipeline_timeline(out["events"], title="1F1B, 2 stages, 4 micro-batches")
+    """
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    if not events:
+        raise ValueError("no events to plot: pass the 'events' that run_pipeline or simulate "
+                         "returned")
+    missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
+    if missing:
+        raise ValueError(f"events lack {sorted(missing)}: pass the events run_pipeline returned")
+    shown = [e for e in events if e.get("step", 0) == step]
+    if not shown:
+        steps = sorted({e.get("step", 0) for e in events})
+        raise ValueError(f"no events of step {step}: the events hold steps {steps}")
+    ranks = sorted({e["rank"] for e in shown})
+    t0 = min(e["start"] for e in shown)
+    # Measured steps last milliseconds; simulate()'s unit slots (1.0, 2.0) are drawn as they are.
+    scale, unit = (1e3, "ms") if max(e["end"] for e in shown) - t0 < 2 else (1.0, "s")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.4))
+    else:
+        fig = ax.figure
+    for e in shown:
+        left, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+        ax.barh(e["rank"], width, left=left, height=0.7, color=_PIPELINE_COLOURS[e["kind"]],
+                edgecolor="white", linewidth=0.8)
+        ax.text(left + width / 2, e["rank"], str(e["micro"]), ha="center", va="center",
+                color="white", fontsize=8, clip_on=True)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()  # rank 0, the first stage, on top
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlim(0, None)
+    ax.legend(handles=[Patch(color=c, label={"F": "forward", "B": "backward"}[k])
+                       for k, c in _PIPELINE_COLOURS.items()],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def bubble_plot(rows: list[dict], ax=None):
+    """Measured bubble against the micro-batch count ``m``, beside ``(p - 1) / (m + p - 1)``.
+
+    One line of measurements per schedule (rows of ``bubble_sweep``), and the formula as a
+    dashed line; ``m`` on a log-2 axis. Draws on ``ax`` when given; returns the Figure.
+
+    Example::
+
+        >>> rows = labkit.launch(bubble_sweep, stage_builder(mlp_stack), [1, 2, 4, 8],
+        ...                      example_batch(256), nproc=2).values[0]
+        >>> fig = bubble_plot(rows)
+    """
+    from matplotlib import pyplot as plt
+
+    if not rows:
+        raise ValueError("no rows to plot: pass the list that bubble_sweep returned")
+    missing = {"schedule", "m", "measured", "formula", "stages"} - set(rows[0])
+    if missing:
+        raise ValueError(f"rows lack {sorted(missing)}: pass the rows bubble_sweep returned")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+    else:
+        fig = ax.figure
+    ms = sorted({r["m"] for r in rows})
+    formula = {r["m"]: r["formula"] for r in rows}
+    stages = rows[0]["stages"]
+    ax.plot(ms, [formula[m] for m in ms], "k--", label=f"formula (p - 1) / (m + p - 1), p = {stages}")
+    for name in dict.fromkeys(r["schedule"] for r in rows):
+        mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["m"])
+        ax.plot([r["m"] for r in mine], [r["measured"] for r in mine], "o-",
+                label=f"measured, {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle fraction)")
+    ax.set_ylim(0, max(0.55, max(r["measured"] for r in rows) * 1.1))
+    ax.legend(frameon=False)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -465,3 +465,58 @@ def test_scaling_plot_draws_one_ideal_for_the_shared_one_worker_run_and_log_log_
     assert ax_tput.get_yscale() == "log" and ax_speed.get_yscale() == "log"
     assert fig.axes[2].get_yscale() == "linear"  # efficiency stays on a 0..1.1 linear axis
     fig.canvas.draw()
+
+
+# ---- pipeline parallelism ----------------------------------------------------------------------
+
+
+def test_pipeline_timeline_draws_one_block_per_event_rank_0_on_top():
+    from labkit.parallel.pipeline import gpipe_schedule, simulate
+    from labkit.plots import pipeline_timeline
+
+    events = simulate(gpipe_schedule(2, 3))
+    fig = pipeline_timeline(events, title="GPipe")
+    (ax,) = fig.axes
+    blocks = ax.patches
+    assert len(blocks) == len(events) == 12
+    colours = {tuple(b.get_facecolor()) for b in blocks}
+    assert len(colours) == 2, "forward and backward in two colours"
+    assert [t.get_text() for t in ax.texts] == [str(e["micro"]) for e in events]
+    assert ax.get_title() == "GPipe" and ax.yaxis_inverted()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    fig.canvas.draw()
+
+
+def test_pipeline_timeline_shows_one_step_and_refuses_bad_events():
+    from labkit.plots import pipeline_timeline
+
+    e = {"rank": 0, "kind": "F", "micro": 0, "start": 0.0, "end": 0.01}
+    fig = pipeline_timeline([{**e, "step": 0}, {**e, "step": 1, "micro": 1}], step=1)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["1"]
+    assert fig.axes[0].get_xlabel() == "time (ms)"  # measured steps are milliseconds long
+    with pytest.raises(ValueError, match="no events to plot"):
+        pipeline_timeline([])
+    with pytest.raises(ValueError, match=r"lack \['end'\]"):
+        pipeline_timeline([{k: v for k, v in e.items() if k != "end"}])
+    with pytest.raises(ValueError, match=r"no events of step 3: the events hold steps \[0\]"):
+        pipeline_timeline([e], step=3)
+
+
+def test_bubble_plot_measured_per_schedule_beside_the_formula():
+    from labkit.plots import bubble_plot
+
+    rows = [{"schedule": s, "stages": 2, "m": m, "measured": 1 / (m + 1) + d, "formula": 1 / (m + 1)}
+            for s, d in (("gpipe", 0.02), ("1f1b", 0.01)) for m in (1, 2, 4, 8)]
+    fig = bubble_plot(rows)
+    (ax,) = fig.axes
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["formula (p - 1) / (m + p - 1), p = 2", "measured, gpipe", "measured, 1f1b"]
+    assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([1 / 2, 1 / 3, 1 / 5, 1 / 9])
+    assert list(ax.get_lines()[2].get_ydata()) == pytest.approx([1 / 2 + .01, 1 / 3 + .01,
+                                                                 1 / 5 + .01, 1 / 9 + .01])
+    assert ax.get_xscale() == "log"
+    fig.canvas.draw()
+    with pytest.raises(ValueError, match="no rows to plot"):
+        bubble_plot([])
+    with pytest.raises(ValueError, match=r"lack \['formula'\]"):
+        bubble_plot([{k: v for k, v in rows[0].items() if k != "formula"}])

@@ -1,0 +1,398 @@
+"""labkit.parallel.pipeline: schedules as data, the bubble, and a real 2-stage pipeline (gloo)."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+
+from labkit import launch
+from labkit.parallel.pipeline import (
+    SCHEDULES,
+    bubble_formula,
+    check_schedule,
+    example_batch,
+    gpipe_schedule,
+    measured_bubble,
+    micro_batches,
+    mlp_stack,
+    naive_schedule,
+    one_f_one_b_schedule,
+    pipelining_step,
+    reference_step,
+    run_pipeline,
+    simulate,
+    split_stages,
+    stage_builder,
+)
+
+# Ship this module's functions by value, as a notebook's are.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+F, B = "F", "B"
+
+
+def _actions(text: str) -> list[tuple[str, int]]:
+    """'F0 F1 B0' -> [('F', 0), ('F', 1), ('B', 0)]: schedules as people write them."""
+    return [(a[0], int(a[1:])) for a in text.split()]
+
+
+# ---- schedules -----------------------------------------------------------------------------------
+
+
+def test_gpipe_p2_m3_exact():
+    assert gpipe_schedule(2, 3) == [_actions("F0 F1 F2 B0 B1 B2")] * 2
+
+
+def test_gpipe_p3_m4_exact():
+    assert gpipe_schedule(3, 4) == [_actions("F0 F1 F2 F3 B0 B1 B2 B3")] * 3
+
+
+def test_one_f_one_b_p2_m3_exact():
+    assert one_f_one_b_schedule(2, 3) == [
+        _actions("F0 F1 B0 F2 B1 B2"),
+        _actions("F0 B0 F1 B1 F2 B2"),
+    ]
+
+
+def test_one_f_one_b_p3_m4_exact():
+    assert one_f_one_b_schedule(3, 4) == [
+        _actions("F0 F1 F2 B0 F3 B1 B2 B3"),
+        _actions("F0 F1 B0 F2 B1 F3 B2 B3"),
+        _actions("F0 B0 F1 B1 F2 B2 F3 B3"),
+    ]
+
+
+def test_one_f_one_b_with_fewer_micro_batches_than_stages():
+    assert one_f_one_b_schedule(4, 2)[0] == _actions("F0 F1 B0 B1")
+    assert one_f_one_b_schedule(4, 2)[3] == _actions("F0 B0 F1 B1")
+
+
+def test_naive_is_gpipe_with_one_micro_batch():
+    assert naive_schedule(3) == gpipe_schedule(3, 1) == [_actions("F0 B0")] * 3
+    assert SCHEDULES["naive"](2, 1) == naive_schedule(2)
+
+
+def _in_flight(actions) -> int:
+    """The most micro-batches a stage holds activations for at once (forwarded, not backwarded)."""
+    held = peak = 0
+    for kind, _ in actions:
+        held += 1 if kind == F else -1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 3), (3, 4), (4, 8), (4, 2), (5, 16)])
+def test_every_stage_runs_each_forward_and_backward_once(p, m):
+    for name in ("gpipe", "1f1b"):
+        schedule = SCHEDULES[name](p, m)
+        assert len(schedule) == p
+        for actions in schedule:
+            assert sorted(actions) == sorted([(F, i) for i in range(m)] + [(B, i) for i in range(m)])
+            assert all(actions.index((B, i)) > actions.index((F, i)) for i in range(m))
+        check_schedule(schedule, m)  # the same, as the library checks it
+
+
+@pytest.mark.parametrize("p, m", [(2, 3), (3, 4), (4, 8), (4, 2), (5, 16)])
+def test_one_f_one_b_holds_at_most_p_minus_stage_micro_batches(p, m):
+    for stage, actions in enumerate(one_f_one_b_schedule(p, m)):
+        assert _in_flight(actions) == min(p - stage, m)
+    assert all(_in_flight(actions) == m for actions in gpipe_schedule(p, m))  # GPipe holds all
+
+
+@pytest.mark.parametrize("p, m", [(0, 4), (2, 0), (2, 1.5)])
+def test_schedules_refuse_bad_sizes(p, m):
+    for make in (gpipe_schedule, one_f_one_b_schedule):
+        with pytest.raises(ValueError, match=r"need (stages|m) >= 1"):
+            make(p, m)
+
+
+@pytest.mark.parametrize("schedule, match", [
+    ([_actions("F0 B0 F1")], r"stage 0 must run .* missing \[\('B', 1\)\]"),
+    ([_actions("F0 F0 B0 B1")], r"missing \[\('F', 1\)\], extra or repeated \[\('F', 0\)\]"),
+    ([_actions("F0 F1 B0 B1"), _actions("F0 B1 F1 B0 ")], r"stage 1 runs \('B', 1\) before"),
+])
+def test_check_schedule_says_what_is_wrong(schedule, match):
+    with pytest.raises(ValueError, match=match):
+        check_schedule(schedule, 2)
+
+
+# ---- the bubble ---------------------------------------------------------------------------------
+
+
+def test_bubble_formula_values():
+    assert bubble_formula(1, 4) == 0.0  # one stage: nothing to fill
+    assert bubble_formula(2, 1) == 0.5  # naive: each of 2 ranks idles half the time
+    assert bubble_formula(2, 4) == pytest.approx(1 / 5)
+    assert bubble_formula(2, 8) == pytest.approx(1 / 9)
+    assert bubble_formula(4, 4) == pytest.approx(3 / 7)
+    assert bubble_formula(8, 32) == pytest.approx(7 / 39)
+    with pytest.raises(ValueError, match="need stages >= 1"):
+        bubble_formula(0, 4)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_simulated_bubble_is_the_formula(name, p, m):
+    events = simulate(SCHEDULES[name](p, m), forward=1.0, backward=2.0)
+    assert measured_bubble(events) == pytest.approx(bubble_formula(p, m), abs=1e-12)
+    assert len(events) == 2 * p * m
+
+
+def test_simulated_step_takes_m_plus_p_minus_1_slots():
+    events = simulate(one_f_one_b_schedule(3, 4), forward=1.0, backward=2.0)
+    assert max(e["end"] for e in events) == (4 + 3 - 1) * 3.0
+
+
+def test_simulate_finds_a_deadlock():
+    # Stage 0 wants B0 before it has sent F1; stage 1 wants F1 before B0: each waits on the other.
+    schedule = [_actions("F0 B0 F1 B1"), _actions("F0 F1 B0 B1")]
+    with pytest.raises(ValueError, match=r"deadlocks.*0: \('B', 0\), 1: \('F', 1\)"):
+        simulate(schedule)
+
+
+def test_measured_bubble_averages_ranks_and_steps():
+    one = [{"rank": 0, "kind": F, "micro": 0, "start": 0.0, "end": 1.0},
+           {"rank": 1, "kind": F, "micro": 0, "start": 1.0, "end": 2.0}]
+    assert measured_bubble(one) == 0.5
+    full = [{"rank": r, "kind": F, "micro": 0, "start": 0.0, "end": 2.0, "step": 1} for r in (0, 1)]
+    assert measured_bubble([{**e, "step": 0} for e in one] + full) == 0.25  # mean of 0.5 and 0
+    with pytest.raises(ValueError, match="no events"):
+        measured_bubble([])
+
+
+# ---- stages and micro-batches -------------------------------------------------------------------
+
+
+def _params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_split_stages_keeps_the_layers_in_order_and_balances_parameters(stages):
+    model = mlp_stack(width=64, depth=8, inputs=8)
+    parts = split_stages(model, stages)
+    assert len(parts) == stages
+    assert [layer for part in parts for layer in part] == list(model)  # the same objects, in order
+    square = 64 * 64 + 64  # one Linear(64, 64): the unit of work
+    sizes = [_params(p) for p in parts]
+    assert max(sizes) - min(sizes) <= square  # no better contiguous split exists
+    assert all(isinstance(part[0], nn.Linear) for part in parts)
+    assert all(isinstance(part[-1], nn.ReLU) for part in parts[:-1])  # ReLU stays with its Linear
+
+
+def test_split_stages_two_stages_of_the_example_model():
+    parts = split_stages(mlp_stack(depth=4), 2)
+    assert [len(p) for p in parts] == [6, 5]  # input layer + 2 square | 2 square + head
+    assert abs(_params(parts[0]) - _params(parts[1])) < 0.03 * _params(parts[0])  # in vs head
+
+
+def test_split_stages_without_parameters_balances_layer_counts():
+    model = nn.Sequential(*[nn.ReLU() for _ in range(7)])
+    assert [len(p) for p in split_stages(model, 3)] == [2, 2, 3]
+    assert [len(p) for p in split_stages(model, 7)] == [1] * 7
+
+
+def test_split_stages_refuses_what_cannot_split():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(ValueError, match=r"more pipeline stages \(5\) than layers \(4\): .*"
+                                         r"use stages <= 4"):
+        split_stages(model, 5)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="need at least one pipeline stage"):
+            split_stages(model, bad)
+    with pytest.raises(ValueError, match=r"needs an nn.Sequential.*got Linear"):
+        split_stages(nn.Linear(2, 2), 1)
+
+
+def test_stage_builder_builds_the_same_stages_every_time():
+    build = stage_builder(partial(mlp_stack, width=16, depth=2, inputs=4))
+    a, b = build(1, 2), build(1, 2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    torch.manual_seed(0)
+    full = split_stages(mlp_stack(width=16, depth=2, inputs=4), 2)
+    assert all(torch.equal(p, q) for p, q in zip(full[1].parameters(), a.parameters(), strict=True))
+
+
+def test_micro_batches_are_equal_views():
+    x = torch.arange(24.0).reshape(12, 2)
+    chunks = micro_batches(x, 4)
+    assert [c.shape for c in chunks] == [torch.Size([3, 2])] * 4
+    assert torch.equal(torch.cat(chunks), x)
+    assert chunks[1].data_ptr() == x[3:].data_ptr()  # a view: no copy
+    assert len(micro_batches(x, 1)) == 1 and len(micro_batches(x, 12)) == 12
+
+
+def test_micro_batches_that_do_not_divide_say_what_would():
+    with pytest.raises(ValueError, match=r"^a batch of 30 does not split into 4 micro-batches: "
+                                         r"use m in \(1, 2, 3, 5, \.\.\.\) or a batch that is a "
+                                         r"multiple of 4$"):
+        micro_batches(torch.zeros(30, 2), 4)
+    with pytest.raises(ValueError, match=r"use m in \(1, 7\) or"):
+        micro_batches(torch.zeros(7), 2)
+    with pytest.raises(ValueError, match="need m >= 1"):
+        micro_batches(torch.zeros(4), 0)
+
+
+def test_reference_step_is_the_full_model_on_the_full_batch():
+    make = partial(mlp_stack, width=16, depth=3, inputs=4)
+    batch = example_batch(8, inputs=4)
+    ref = reference_step(stage_builder(make), 3, batch)
+    torch.manual_seed(0)
+    model = make()
+    loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+    loss.backward()
+    assert ref["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.allclose(torch.cat(ref["grads"]), flat, atol=1e-7)
+
+
+# ---- worker functions in a one-rank group (this process) ------------------------------------------
+
+SMALL = partial(mlp_stack, width=32, depth=4, inputs=8)
+
+
+@pytest.fixture
+def group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_one_stage_pipeline_is_gradient_accumulation(group):
+    batch = example_batch(12, inputs=8)
+    ref = reference_step(stage_builder(SMALL), 1, batch)
+    for name, m in (("naive", 1), ("gpipe", 3), ("1f1b", 4)):
+        out = run_pipeline(stage_builder(SMALL), name, m, batch, steps=2, warmup=1)
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert torch.allclose(out["grads"], ref["grads"][0], rtol=1e-4, atol=1e-6)
+        assert len(out["events"]) == 2 * 2 * m and {e["step"] for e in out["events"]} == {0, 1}
+
+
+@pytest.mark.parametrize("schedule, m, kwargs, match", [
+    ("zigzag", 2, {}, r"unknown schedule 'zigzag': use one of naive, gpipe, 1f1b"),
+    ("naive", 2, {}, r"naive .* m must be 1, got m=2; use 'gpipe' or '1f1b'"),
+    ("gpipe", 5, {}, r"a batch of 12 does not split into 5 micro-batches"),
+    ([[("F", 0), ("B", 0)]] * 2, 1, {}, r"2 stage\(s\) but there are 1 ranks"),
+    ("gpipe", 2, {"steps": 0}, r"need steps >= 1"),
+])
+def test_run_pipeline_refuses_bad_arguments(group, schedule, m, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run_pipeline(stage_builder(SMALL), schedule, m, example_batch(12, inputs=8), **kwargs)
+    with pytest.raises(ValueError, match="pass batch="):
+        run_pipeline(stage_builder(SMALL), "gpipe", 2)
+
+
+def test_bubble_sweep_rows_on_one_rank(group):
+    from labkit.parallel.pipeline import bubble_sweep
+
+    rows = bubble_sweep(stage_builder(SMALL), [1, 2, 4], example_batch(12, inputs=8), steps=2)
+    assert [(r["schedule"], r["m"]) for r in rows] == [(s, m) for s in ("gpipe", "1f1b")
+                                                       for m in (1, 2, 4)]
+    by = {(r["schedule"], r["m"]): r for r in rows}
+    assert by["gpipe", 1]["measured_steps"] == by["1f1b", 1]["measured_steps"]  # naive, run once
+    for r in rows:
+        assert r["formula"] == 0.0 and r["stages"] == 1 and r["micro_batch"] == 12 // r["m"]
+        assert len(r["measured_steps"]) == 2 and 0 <= r["measured"] < 1 and r["step_s"] > 0
+
+
+def test_pipelining_refuses_unknown_schedules(group):
+    with pytest.raises(ValueError, match="use gpipe or 1f1b"):
+        pipelining_step(stage_builder(SMALL), "naive", 1, example_batch(12, inputs=8))
+
+
+# ---- two stages, one launch -------------------------------------------------------------------------
+
+BATCH, M = 12, 3
+SKEW = 0.05  # seconds: how far apart two ranks may leave the same barrier on a busy CI box
+
+
+def pipeline_checks(build, batch, m) -> dict:
+    """Run on both ranks of one launch: every schedule by hand, and torch's pipelining."""
+    out = {name: run_pipeline(build, name, m, batch) for name in ("gpipe", "1f1b")}
+    out["naive"] = run_pipeline(build, "naive", 1, batch)
+    out["torch_gpipe"] = pipelining_step(build, "gpipe", m, batch)
+    out["torch_1f1b"] = pipelining_step(build, "1f1b", m, batch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_stages():
+    """One launch of 2 ranks (about 10 s here), its per-rank results and the reference step."""
+    build, batch = stage_builder(SMALL), example_batch(BATCH, inputs=8)
+    values = launch(pipeline_checks, build, batch, M, nproc=2, show_ranks=[], timeout=180).values
+    return values, reference_step(build, 2, batch)
+
+
+def _check_pipeline(values, ref, names=("gpipe", "1f1b", "naive", "torch_gpipe", "torch_1f1b")):
+    for name in names:
+        for rank, v in enumerate(values):
+            got = v[name]
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (name, rank)
+            assert torch.allclose(got["grads"].cpu(), ref["grads"][rank], rtol=1e-4, atol=1e-6), \
+                (name, rank, (got["grads"].cpu() - ref["grads"][rank]).abs().max())
+
+
+def test_two_stage_pipelines_equal_one_unpipelined_step(two_stages):
+    values, ref = two_stages
+    _check_pipeline(values, ref)
+
+
+@pytest.mark.parametrize("name, m", [("gpipe", M), ("1f1b", M), ("naive", 1)])
+def test_two_stage_events_are_well_formed(two_stages, name, m):
+    values, _ = two_stages
+    events = values[0][name]["events"]
+    assert events == values[1][name]["events"]  # every rank returns every rank's events
+    schedule = SCHEDULES[name](2, m)
+    for rank in (0, 1):
+        mine = [e for e in events if e["rank"] == rank]
+        assert [(e["kind"], e["micro"]) for e in mine] == schedule[rank]  # in schedule order
+        assert all(0 <= e["start"] <= e["end"] for e in mine)
+        assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:], strict=False))
+    # The data dependencies, as the clocks saw them; the ranks' t = 0 agree to the barrier's skew.
+    at = {(e["rank"], e["kind"], e["micro"]): e for e in events}
+    for i in range(m):
+        assert at[0, F, i]["end"] <= at[1, F, i]["start"] + SKEW
+        assert at[1, B, i]["end"] <= at[0, B, i]["start"] + SKEW
+    assert 0 < measured_bubble(events) < 1
+
+
+# ---- on GPUs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_two_stage_pipeline_on_two_gpus_with_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("a 2-stage pipeline with NCCL needs 2 GPUs")
+    build, batch = stage_builder(SMALL), example_batch(BATCH, inputs=8)
+    values = launch(pipeline_checks, build, batch, M, nproc=2, backend="nccl", show_ranks=[],
+                    timeout=300).values
+    # fp32 matmuls on both sides (TF32 is off by default for them): the CPU reference holds.
+    _check_pipeline(values, reference_step(build, 2, batch))
+
+
+# ---- the draft figures (move with them to test_plots.py) ---------------------------------------------
+
+
+def test_draft_figures_draw_from_plain_data():
+    from labkit.parallel._plots_draft import bubble_plot, pipeline_timeline
+
+    events = simulate(one_f_one_b_schedule(3, 4))
+    fig = pipeline_timeline(events, title="1F1B")
+    ax = fig.axes[0]
+    assert len(ax.patches) == len(events) and len(ax.texts) == len(events)
+    rows = [{"schedule": s, "stages": 2, "m": m, "measured": bubble_formula(2, m) + 0.01,
+             "formula": bubble_formula(2, m)} for s in ("gpipe", "1f1b") for m in (1, 2, 4)]
+    assert len(bubble_plot(rows).axes[0].lines) == 3
+    with pytest.raises(ValueError, match="no events of step 1"):
+        pipeline_timeline(events, step=1)
+    with pytest.raises(ValueError, match="bubble_sweep"):
+        bubble_plot([])
