@@ -377,22 +377,3 @@ def test_two_stage_pipeline_on_two_gpus_with_nccl():
                     timeout=300).values
     # fp32 matmuls on both sides (TF32 is off by default for them): the CPU reference holds.
     _check_pipeline(values, reference_step(build, 2, batch))
-
-
-# ---- the draft figures (move with them to test_plots.py) ---------------------------------------------
-
-
-def test_draft_figures_draw_from_plain_data():
-    from labkit.parallel._plots_draft import bubble_plot, pipeline_timeline
-
-    events = simulate(one_f_one_b_schedule(3, 4))
-    fig = pipeline_timeline(events, title="1F1B")
-    ax = fig.axes[0]
-    assert len(ax.patches) == len(events) and len(ax.texts) == len(events)
-    rows = [{"schedule": s, "stages": 2, "m": m, "measured": bubble_formula(2, m) + 0.01,
-             "formula": bubble_formula(2, m)} for s in ("gpipe", "1f1b") for m in (1, 2, 4)]
-    assert len(bubble_plot(rows).axes[0].lines) == 3
-    with pytest.raises(ValueError, match="no events of step 1"):
-        pipeline_timeline(events, step=1)
-    with pytest.raises(ValueError, match="bubble_sweep"):
-        bubble_plot([])

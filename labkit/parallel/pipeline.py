@@ -352,7 +352,8 @@ def measured_bubble(events: list[dict]) -> float:
     Idle is any time between the step's first event start and last event end that a rank
     spends outside its own F/B events. Waiting for a message counts as idle: the events
     time compute only, from the moment the input has arrived. So the measured bubble is the
-    formula's bubble plus communication and any imbalance between the stages.
+    formula's bubble plus communication, any imbalance between the stages, and the jitter of
+    the compute itself (at every hand-over the faster side waits for the slower).
 
     Example::
 
