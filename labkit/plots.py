@@ -534,8 +534,9 @@ def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 
 def bubble_plot(rows: list[dict], ax=None):
     """Measured bubble against the micro-batch count ``m``, beside ``(p - 1) / (m + p - 1)``.
 
-    One line of measurements per schedule (rows of ``bubble_sweep``), and the formula as a
-    dashed line; ``m`` on a log-2 axis. Draws on ``ax`` when given; returns the Figure.
+    One line of measurements per schedule (rows of ``bubble_sweep``), dotted beside it the
+    schedule replayed with the measured stage times and hand-over cost (when the rows have
+    ``with_messages``), and the formula as a dashed line; ``m`` on a log-2 axis. Draws on ``ax`` when given; returns the Figure.
 
     Example::
 
@@ -560,8 +561,11 @@ def bubble_plot(rows: list[dict], ax=None):
     ax.plot(ms, [formula[m] for m in ms], "k--", label=f"formula (p - 1) / (m + p - 1), p = {stages}")
     for name in dict.fromkeys(r["schedule"] for r in rows):
         mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["m"])
-        ax.plot([r["m"] for r in mine], [r["measured"] for r in mine], "o-",
-                label=f"measured, {name}")
+        line, = ax.plot([r["m"] for r in mine], [r["measured"] for r in mine], "o-",
+                        label=f"measured, {name}")
+        if "with_messages" in mine[0]:
+            ax.plot([r["m"] for r in mine], [r["with_messages"] for r in mine], ":",
+                    color=line.get_color(), label=f"model with measured stages and messages, {name}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.set_xlabel("micro-batches m")

@@ -13,6 +13,7 @@ from torch import nn
 from labkit import launch
 from labkit.parallel.pipeline import (
     SCHEDULES,
+    bubble_breakdown,
     bubble_formula,
     check_schedule,
     example_batch,
@@ -166,6 +167,53 @@ def test_measured_bubble_averages_ranks_and_steps():
         measured_bubble([])
 
 
+def test_simulate_with_a_hand_over_cost_and_uneven_stages():
+    # GPipe, 2 stages, m = 2, forward 1, backward 2, each receive costs 0.5:
+    # stage 1: F0 1.5-2.5, F1 2.5+0.5=3-4, B0 4-6, B1 6-8; stage 0: B0 6.5-8.5, B1 8.5+0.5=9-11.
+    events = simulate(gpipe_schedule(2, 2), message=0.5)
+    got = {(e["rank"], e["kind"], e["micro"]): (e["start"], e["end"]) for e in events}
+    assert got[1, F, 0] == (1.5, 2.5) and got[1, F, 1] == (3.0, 4.0)
+    assert got[0, B, 0] == (6.5, 8.5) and got[0, B, 1] == (9.0, 11.0)
+    # A slower stage sets the pace: stage 1's forwards take 3, so stage 0 waits for them.
+    slow = simulate(gpipe_schedule(2, 4), forward=[1.0, 3.0], backward=[2.0, 2.0])
+    assert measured_bubble(slow) > bubble_formula(2, 4)
+    assert max(e["end"] for e in slow if e["rank"] == 1 and e["kind"] == F) == 1.0 + 4 * 3.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"forward": [1.0, 2.0, 3.0]}, "forward has 3 times for 2 stages"),
+    ({"backward": [2.0]}, "backward has 1 times for 2 stages"),
+    ({"message": -1.0}, "message is a time"),
+])
+def test_simulate_refuses_bad_times(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(gpipe_schedule(2, 2), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_breakdown_recovers_the_costs_it_is_given(name):
+    # Replaying a timeline made with known stage times and hand-over cost gives them back,
+    # and each model adds its cost: formula <= uneven stages <= with messages = measured.
+    events = simulate(SCHEDULES[name](3, 6), forward=[1.0, 1.5, 1.0], backward=2.0, message=0.2)
+    b = bubble_breakdown(events)
+    assert b["forward_s"] == [1.0, 1.5, 1.0] and b["backward_s"] == [2.0, 2.0, 2.0]
+    assert b["message_s"] == pytest.approx(0.2)
+    assert b["formula"] == bubble_formula(3, 6) < b["stages"] < b["messages"]
+    assert b["messages"] == pytest.approx(b["measured"])
+    ideal = bubble_breakdown(simulate(SCHEDULES[name](3, 6)))
+    assert ideal["stages"] == pytest.approx(ideal["formula"]) and ideal["message_s"] == 0.0
+
+
+def test_bubble_breakdown_takes_the_median_step_and_needs_events():
+    calm = simulate(gpipe_schedule(2, 2))
+    late = [{**e, "start": e["start"] + 0.5 * (e["rank"] == 1), "end": e["end"] + 0.5 * (e["rank"] == 1)}
+            for e in calm]
+    steps = [{**e, "step": k} for k, step in enumerate([calm, calm, late]) for e in step]
+    assert bubble_breakdown(steps)["measured"] == pytest.approx(measured_bubble(calm))
+    with pytest.raises(ValueError, match="no events"):
+        bubble_breakdown([])
+
+
 # ---- stages and micro-batches -------------------------------------------------------------------
 
 
@@ -302,6 +350,8 @@ def test_bubble_sweep_rows_on_one_rank(group):
     for r in rows:
         assert r["formula"] == 0.0 and r["stages"] == 1 and r["micro_batch"] == 12 // r["m"]
         assert len(r["measured_steps"]) == 2 and 0 <= r["measured"] < 1 and r["step_s"] > 0
+        # One stage: nothing to wait for, so every model says no bubble and no hand-over.
+        assert r["uneven_stages"] == r["with_messages"] == 0.0 and r["message_s"] == 0.0
 
 
 def test_pipelining_refuses_unknown_schedules(group):

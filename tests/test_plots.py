@@ -516,6 +516,9 @@ def test_bubble_plot_measured_per_schedule_beside_the_formula():
                                                                  1 / 5 + .01, 1 / 9 + .01])
     assert ax.get_xscale() == "log"
     fig.canvas.draw()
+    modelled = [{**r, "with_messages": r["formula"] + 0.005} for r in rows]
+    labels = [line.get_label() for line in bubble_plot(modelled).axes[0].get_lines()]
+    assert labels[1:3] == ["measured, gpipe", "model with measured stages and messages, gpipe"]
     with pytest.raises(ValueError, match="no rows to plot"):
         bubble_plot([])
     with pytest.raises(ValueError, match=r"lack \['formula'\]"):

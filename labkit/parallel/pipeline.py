@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 __all__ = ["mlp_stack", "example_batch", "split_stages", "stage_builder", "micro_batches",
            "naive_schedule", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES",
-           "check_schedule", "bubble_formula", "simulate", "measured_bubble", "reference_step",
+           "check_schedule", "bubble_formula", "simulate", "measured_bubble", "bubble_breakdown", "reference_step",
            "run_pipeline", "bubble_sweep", "pipelining_step"]
 
 
@@ -303,22 +303,30 @@ def bubble_formula(stages: int, m: int) -> float:
     return (stages - 1) / (m + stages - 1)
 
 
-def simulate(schedule, forward: float = 1.0, backward: float = 2.0) -> list[dict]:
-    """The ideal timeline of ``schedule``: every forward takes ``forward``, every backward
-    ``backward``, messages are free. Returns events as :func:`run_pipeline` records them.
+def simulate(schedule, forward=1.0, backward=2.0, message: float = 0.0) -> list[dict]:
+    """The timeline of ``schedule`` when every action takes a fixed time: by default the ideal
+    one (all stages equal, messages free). Returns events as :func:`run_pipeline` records them.
 
-    A stage runs its next action as soon as it is free and the action's input is there: F i
-    needs F i of the stage before, B i needs B i of the stage after. A schedule whose stages
-    wait on each other forever raises ValueError naming where they are stuck.
+    ``forward`` and ``backward`` are one time for every stage or a list with one per stage;
+    ``message`` is what receiving an input from another stage costs. A stage runs its next action as
+    soon as it is free and the action's input is there: F i needs F i of the stage before,
+    B i needs B i of the stage after. A schedule whose stages wait on each other forever
+    raises ValueError naming where they are stuck.
 
     Example::
 
         >>> events = simulate(gpipe_schedule(2, 4))
         >>> round(measured_bubble(events), 12), bubble_formula(2, 4)
         (0.2, 0.2)
+        >>> round(measured_bubble(simulate(gpipe_schedule(2, 4), message=0.5)), 3)
+        0.273
     """
     stages = len(schedule)
     check_schedule(schedule, len(schedule[0]) // 2)
+    times = {"F": _per_stage(forward, stages, "forward"),
+             "B": _per_stage(backward, stages, "backward")}
+    if message < 0:
+        raise ValueError(f"message is a time, got {message}: use 0 for free messages")
     done: dict[tuple[str, int, int], float] = {}
     free, position, events = [0.0] * stages, [0] * stages, []
     while any(position[s] < len(schedule[s]) for s in range(stages)):
@@ -332,8 +340,11 @@ def simulate(schedule, forward: float = 1.0, backward: float = 2.0) -> list[dict
                     needs = [("F", s, i)] + ([("B", s + 1, i)] if s < stages - 1 else [])
                 if any(need not in done for need in needs):
                     break
-                start = max([free[s]] + [done[need] for need in needs])
-                end = start + (forward if kind == "F" else backward)
+                # The receiver pays for a hand-over once both it and the message are ready
+                # (on CPU ranks the receive itself copies the data), so no compute hides it.
+                handover = message if any(need[1] != s for need in needs) else 0.0
+                start = max([free[s]] + [done[need] for need in needs]) + handover
+                end = start + times[kind][s]
                 done[kind, s, i] = free[s] = end
                 events.append({"rank": s, "kind": kind, "micro": i, "start": start, "end": end})
                 position[s] += 1
@@ -344,6 +355,17 @@ def simulate(schedule, forward: float = 1.0, backward: float = 2.0) -> list[dict
             raise ValueError(f"the schedule deadlocks: each stage waits for another; next "
                              f"actions (stage: action) {stuck}")
     return events
+
+
+def _per_stage(value, stages: int, what: str) -> list[float]:
+    """One time per stage from a number or a list; a list of the wrong length is refused."""
+    if isinstance(value, (int, float)):
+        return [float(value)] * stages
+    value = [float(v) for v in value]
+    if len(value) != stages:
+        raise ValueError(f"{what} has {len(value)} times for {stages} stages: give one number, "
+                         f"or one time per stage")
+    return value
 
 
 def measured_bubble(events: list[dict]) -> float:
@@ -373,6 +395,54 @@ def measured_bubble(events: list[dict]) -> float:
             busy = sum(e["end"] - e["start"] for e in step_events if e["rank"] == rank)
             idle.append(1 - busy / span)
     return statistics.fmean(idle)
+
+
+def bubble_breakdown(events: list[dict]) -> dict:
+    """Where a measured step's idle time comes from, by replaying its schedule in :func:`simulate`.
+
+    Three models, each adding one real cost to the one before: ``formula`` (equal stages, free
+    messages); ``stages`` (each stage's own median forward and backward times, free
+    messages); ``messages`` (also the median hand-over delay: from the moment an action's
+    input was sent, or its stage was free if later, to the moment it started). What
+    ``measured`` (the median bubble over the steps) has beyond ``messages`` is jitter: compute
+    times that vary from one micro-batch to the next, where every hand-over makes the faster
+    side wait for the slower. Times are in seconds.
+
+    Example::
+
+        >>> b = bubble_breakdown(simulate(gpipe_schedule(2, 4), forward=1.0, message=0.5))
+        >>> round(b["formula"], 3), round(b["messages"], 3), b["message_s"]
+        (0.2, 0.273, 0.5)
+    """
+    if not events:
+        raise ValueError("no events: pass the 'events' that run_pipeline (or simulate) returned")
+    by_step: dict[int, list[dict]] = {}
+    for e in events:
+        by_step.setdefault(e.get("step", 0), []).append(e)
+    stages = max(e["rank"] for e in events) + 1
+    first = sorted(by_step[min(by_step)], key=lambda e: (e["rank"], e["start"]))
+    schedule = [[(e["kind"], e["micro"]) for e in first if e["rank"] == s] for s in range(stages)]
+    m = len(schedule[0]) // 2
+    durations = {(kind, s): [] for kind in "FB" for s in range(stages)}
+    delays = []
+    for step_events in by_step.values():
+        done = {(e["kind"], e["rank"], e["micro"]): e for e in step_events}
+        for s in range(stages):
+            mine = sorted((e for e in step_events if e["rank"] == s), key=lambda e: e["start"])
+            for before, e in zip([None] + mine, mine, strict=False):
+                durations[e["kind"], s].append(e["end"] - e["start"])
+                sender = (e["kind"], s - 1 if e["kind"] == "F" else s + 1, e["micro"])
+                if sender in done:
+                    ready = max(done[sender]["end"], before["end"] if before else 0.0)
+                    delays.append(max(0.0, e["start"] - ready))
+    forward = [statistics.median(durations["F", s]) for s in range(stages)]
+    backward = [statistics.median(durations["B", s]) for s in range(stages)]
+    message = statistics.median(delays) if delays else 0.0
+    return {"formula": bubble_formula(stages, m),
+            "stages": measured_bubble(simulate(schedule, forward, backward)),
+            "messages": measured_bubble(simulate(schedule, forward, backward, message)),
+            "measured": statistics.median(measured_bubble(v) for v in by_step.values()),
+            "forward_s": forward, "backward_s": backward, "message_s": message}
 
 
 # ---- one process: what the pipeline must reproduce ----------------------------------------------
@@ -569,7 +639,9 @@ def bubble_sweep(stage_module_fn, ms, batch, *, schedules=("gpipe", "1f1b"), ste
     Every rank returns the same rows: ``schedule, stages, m, micro_batch, formula, measured``
     (the median over the ``steps`` timed steps: one step disturbed by another program does not
     move it), ``measured_steps`` (each step's bubble) and ``step_s`` (median time from a step's
-    first event to its last). ``m=1`` is naive model parallelism, measured once for all
+    first event to its last); and, from :func:`bubble_breakdown`, the bubble the schedule
+    would have with each stage's own compute times (``uneven_stages``) and also with the
+    measured hand-over cost ``message_s`` (``with_messages``). ``m=1`` is naive model parallelism, measured once for all
     schedules.
 
     Example::
@@ -592,9 +664,12 @@ def bubble_sweep(stage_module_fn, ms, batch, *, schedules=("gpipe", "1f1b"), ste
             bubbles = [measured_bubble(events) for events in per_step]
             spans = [max(e["end"] for e in events) - min(e["start"] for e in events)
                      for events in per_step]
+            model = bubble_breakdown(runs[run, m]["events"])
             rows.append({"schedule": name, "stages": stages, "m": m,
                          "micro_batch": batch[0].shape[0] // m,
                          "formula": bubble_formula(stages, m),
+                         "uneven_stages": model["stages"], "with_messages": model["messages"],
+                         "message_s": model["message_s"],
                          "measured": statistics.median(bubbles), "measured_steps": bubbles,
                          "step_s": statistics.median(spans)})
     return rows
