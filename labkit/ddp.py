@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ._sizes import divisors
+
 __all__ = ["per_worker_batch", "save_on_rank0", "replica_divergence"]
 
 
@@ -47,7 +49,7 @@ def per_worker_batch(global_batch: int, *, world_size: int | None = None,
     if global_batch % world:
         lower, upper = global_batch // world * world, (global_batch // world + 1) * world
         near = f"{lower} or {upper}" if lower else f"{upper} or {2 * upper}"
-        options = ", ".join(str(n) for n in _divisors(global_batch) if n != world)
+        options = ", ".join(str(n) for n in divisors(global_batch) if n != world)
         raise ValueError(
             f"a global batch of {global_batch} does not split evenly over {world} workers: use a "
             f"multiple of {world} (e.g. {near}), or a worker count that divides {global_batch} "
@@ -61,10 +63,6 @@ def per_worker_batch(global_batch: int, *, world_size: int | None = None,
                 f"{global_batch}); use fewer workers, a smaller global batch (at most "
                 f"{max(dataset_size // world * world, world)}), or more data")
     return global_batch // world
-
-
-def _divisors(n: int, limit: int = 8) -> list[int]:
-    return [d for d in range(1, min(n, 64) + 1) if n % d == 0][:limit]
 
 
 def save_on_rank0(obj, path) -> Path:

@@ -536,7 +536,8 @@ def bubble_plot(rows: list[dict], ax=None):
 
     One line of measurements per schedule (rows of ``bubble_sweep``), dotted beside it the
     schedule replayed with the measured stage times and hand-over cost (when the rows have
-    ``with_messages``), and the formula as a dashed line; ``m`` on a log-2 axis. Draws on ``ax`` when given; returns the Figure.
+    ``with_messages``), and the formula as a dashed line; ``m`` on a log-2 axis. Draws on
+    ``ax`` when given; returns the Figure.
 
     Example::
 
@@ -558,14 +559,16 @@ def bubble_plot(rows: list[dict], ax=None):
     ms = sorted({r["m"] for r in rows})
     formula = {r["m"]: r["formula"] for r in rows}
     stages = rows[0]["stages"]
-    ax.plot(ms, [formula[m] for m in ms], "k--", label=f"formula (p - 1) / (m + p - 1), p = {stages}")
+    ax.plot(ms, [formula[m] for m in ms], "k--",
+            label=f"formula (p - 1) / (m + p - 1), p = {stages}")
     for name in dict.fromkeys(r["schedule"] for r in rows):
         mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["m"])
         line, = ax.plot([r["m"] for r in mine], [r["measured"] for r in mine], "o-",
                         label=f"measured, {name}")
         if "with_messages" in mine[0]:
             ax.plot([r["m"] for r in mine], [r["with_messages"] for r in mine], ":",
-                    color=line.get_color(), label=f"model with measured stages and messages, {name}")
+                    color=line.get_color(),
+                    label=f"model with measured stages and messages, {name}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.set_xlabel("micro-batches m")

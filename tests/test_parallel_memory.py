@@ -140,6 +140,29 @@ def test_activation_memory_wants_a_sequential_of_blocks():
         activation_memory(lambda: torch.nn.Linear(3, 3), torch.randn(2, 3))
 
 
+def test_activation_memory_refuses_bad_repeats():
+    with pytest.raises(ValueError, match="repeats must be a whole number >= 1, got 0"):
+        activation_memory(lambda: block_stack(1, 4), torch.randn(2, 4), repeats=0)
+
+
+def test_fsdp_memory_refuses_bad_steps_and_models_it_cannot_feed():
+    from labkit.parallel.memory import _first_linear_input
+
+    with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
+        fsdp_memory(partial(block_stack, 1, 4), steps=0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
+    with pytest.raises(ValueError, match=r"found none: pass input_fn=lambda: torch\.randn"):
+        _first_linear_input(conv, 2, torch.device("cpu"))
+    assert _first_linear_input(block_stack(1, 4), 2, torch.device("cpu")).shape == (2, 4)
+
+
+def test_tp_and_pp_left_out_default_to_the_whole_world_only_for_their_own_strategy():
+    assert estimate_memory(1e9, strategy="tp", world_size=8)["tp"] == 8
+    assert estimate_memory(1e9, strategy="tp", world_size=8, tp=1)["dp"] == 8  # an explicit 1 holds
+    assert estimate_memory(1e9, strategy="pp", world_size=8, tp=2)["pp"] == 4
+    assert estimate_memory(1e9, strategy="zero3", world_size=8)["tp"] == 1
+
+
 def test_fsdp_memory_needs_a_worker():
     with pytest.raises(RuntimeError, match="not initialised: run this inside a worker"):
         fsdp_memory(partial(block_stack, 1, 4))

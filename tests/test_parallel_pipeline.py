@@ -150,6 +150,20 @@ def test_simulated_step_takes_m_plus_p_minus_1_slots():
     assert max(e["end"] for e in events) == (4 + 3 - 1) * 3.0
 
 
+@pytest.mark.parametrize("schedule, match", [
+    # Stage 0 takes the gradients in the order 1, 0 while stage 1 sends them 0, 1.
+    ([_actions("F0 F1 B1 B0"), _actions("F0 F1 B0 B1")],
+     r"stage 0 runs the B's in the order \[1, 0\] but stage 1 sends them in the order \[0, 1\]"),
+    # Stage 1 takes the activations in the order 1, 0 while stage 0 sends them 0, 1.
+    ([_actions("F0 F1 B0 B1"), _actions("F1 F0 B0 B1")],
+     r"stage 1 runs the F's in the order \[1, 0\] but stage 0 sends them in the order \[0, 1\]"),
+])
+def test_neighbours_must_pass_micro_batches_in_the_same_order(schedule, match):
+    # Messages carry no micro-batch number: another order would silently mix micro-batches.
+    with pytest.raises(ValueError, match=match):
+        check_schedule(schedule, 2)
+
+
 def test_simulate_finds_a_deadlock():
     # Stage 0 wants B0 before it has sent F1; stage 1 wants F1 before B0: each waits on the other.
     schedule = [_actions("F0 B0 F1 B1"), _actions("F0 F1 B0 B1")]
@@ -331,12 +345,28 @@ def test_one_stage_pipeline_is_gradient_accumulation(group):
     ("gpipe", 5, {}, r"a batch of 12 does not split into 5 micro-batches"),
     ([[("F", 0), ("B", 0)]] * 2, 1, {}, r"2 stage\(s\) but there are 1 ranks"),
     ("gpipe", 2, {"steps": 0}, r"need steps >= 1"),
+    ("gpipe", 2, {"warmup": -1}, r"need steps >= 1 and warmup >= 0, got steps=1, warmup=-1"),
 ])
 def test_run_pipeline_refuses_bad_arguments(group, schedule, m, kwargs, match):
     with pytest.raises(ValueError, match=match):
         run_pipeline(stage_builder(SMALL), schedule, m, example_batch(12, inputs=8), **kwargs)
     with pytest.raises(ValueError, match="pass batch="):
         run_pipeline(stage_builder(SMALL), "gpipe", 2)
+    with pytest.raises(ValueError, match="pass batch="):
+        pipelining_step(stage_builder(SMALL), "gpipe", 2)
+
+
+def test_a_stage_whose_output_cannot_be_sent_is_refused(group):
+    from labkit.parallel.pipeline import _input_meta
+
+    class Labels(nn.Module):
+        def forward(self, x):
+            return x.argmax(dim=1)  # int64: not an activation the next stage can take a grad of
+
+    # Rank 0 of 2 stages checks its output before it tells stage 1 the shape (nothing is sent).
+    with pytest.raises(ValueError, match=r"stage 0 outputs a torch\.int64 tensor with 1 dims: "
+                                         r"the activations sent must be floats"):
+        _input_meta(Labels(), torch.zeros(4, 3), 0, 2, torch.device("cpu"))
 
 
 def test_bubble_sweep_rows_on_one_rank(group):

@@ -112,6 +112,15 @@ def test_without_a_process_group_a_layer_holds_rank_0s_slice_and_refuses_to_run(
         col(torch.randn(3, 6))
 
 
+@pytest.mark.parametrize("tp", [0, -2, 1.5])
+def test_a_tp_degree_must_be_a_whole_number(tp):
+    from labkit.parallel.tensor import _degree_and_rank
+
+    with pytest.raises(ValueError, match=r"tp must be a whole number >= 1 \(ranks that share"):
+        _degree_and_rank(tp, None)
+    assert _degree_and_rank(None, None) == (1, 0) and _degree_and_rank(4, None) == (4, 0)
+
+
 def test_one_rank_is_the_dense_mlp_exactly():
     torch.manual_seed(0)
     dense = dense_mlp(8, 16, 4)

@@ -44,7 +44,8 @@ def _whole(name, value, low=1):
         raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
 
 
-def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int = 1, pp: int = 1,
+def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int | None = None,
+                    pp: int | None = None,
                     bytes_per_param: dict | None = None, precision: str = "mixed",
                     optimizer: str = "adam") -> dict:
     """Bytes per rank of parameters, gradients and optimizer state (activations not included).
@@ -53,7 +54,8 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int = 1, pp
     replicas. Tensor and pipeline parallelism divide everything by ``tp * pp``. Across the
     replicas, ``"dp"`` keeps a full copy on each; ZeRO-1 shards the optimizer state over them,
     ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too. ``"tp"`` and ``"pp"`` alone
-    mean every rank is in the TP (PP) group: ``tp`` (``pp``) defaults to ``world_size``.
+    mean every rank is in the TP (PP) group unless ``tp`` (``pp``) says otherwise: there
+    ``tp`` (``pp``) defaults to ``world_size`` divided by the other degree, elsewhere to 1.
 
     ``bytes_per_param`` (``{"params": 2, "grads": 2, "optimizer": 12}``) overrides the bytes
     that ``precision`` ("mixed" or "fp32") and ``optimizer`` ("adam" or "sgd") choose.
@@ -67,8 +69,9 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int = 1, pp
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     _whole("world_size", world_size)
-    _whole("tp", tp)
-    _whole("pp", pp)
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value is not None:
+            _whole(name, value)
     if not n_params > 0:
         raise ValueError(f"n_params must be > 0, got {n_params!r}")
     if bytes_per_param is None:
@@ -80,10 +83,11 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int = 1, pp
     elif sorted(bytes_per_param) != ["grads", "optimizer", "params"]:
         raise ValueError("bytes_per_param needs exactly the keys 'params', 'grads', 'optimizer', "
                          f"got {sorted(bytes_per_param)}")
-    if strategy == "tp" and tp == 1:
-        tp = world_size // pp
-    if strategy == "pp" and pp == 1:
-        pp = world_size // tp
+    if strategy == "tp" and tp is None:
+        tp = world_size // (pp or 1)
+    if strategy == "pp" and pp is None:
+        pp = world_size // (tp or 1)
+    tp, pp = tp or 1, pp or 1
     if world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}: "
                          f"choose tp and pp whose product divides {world_size}")
@@ -105,7 +109,7 @@ def block_stack(n_blocks: int = 8, width: int = 64, expansion: int = 4) -> nn.Se
     Example::
 
         >>> sum(p.numel() for p in block_stack(2, 8).parameters())
-        1064
+        1104
     """
     return nn.Sequential(*[
         nn.Sequential(nn.Linear(width, expansion * width), nn.GELU(),

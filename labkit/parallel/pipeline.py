@@ -29,10 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .._sizes import divisors
+
 __all__ = ["mlp_stack", "example_batch", "split_stages", "stage_builder", "micro_batches",
            "naive_schedule", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES",
-           "check_schedule", "bubble_formula", "simulate", "measured_bubble", "bubble_breakdown", "reference_step",
-           "run_pipeline", "bubble_sweep", "pipelining_step"]
+           "check_schedule", "bubble_formula", "simulate", "measured_bubble", "bubble_breakdown",
+           "reference_step", "run_pipeline", "bubble_sweep", "pipelining_step"]
 
 
 # ---- the model and its stages -------------------------------------------------------------------
@@ -74,7 +76,8 @@ def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     """Cut ``model`` into ``stages`` consecutive parts with about equal parameter counts.
 
     The split minimises the largest stage (the slowest stage sets the pipeline's pace); among
-    equal splits it prefers even layer counts, which keeps a ReLU next to its Linear. A model
+    equal splits it takes the one whose largest stage has the fewest layers, and a layer
+    without parameters (a ReLU) stays with the layer before it. A model
     without parameters is split by layer count. Parameters count as a stand-in for work: fine
     for stacks of similar layers, not for convolutions whose cost grows with image size.
 
@@ -120,7 +123,7 @@ def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     bounds.reverse()
     # A parameter-free layer (ReLU, Flatten) goes with the layer before it: the same balance.
     for k in range(1, stages):
-        while (weights[bounds[k]] == 0 < sum(weights) and bounds[k] + 1 < bounds[k + 1]):
+        while weights[bounds[k]] == 0 and bounds[k] + 1 < bounds[k + 1]:
             bounds[k] += 1
     return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
@@ -160,8 +163,8 @@ def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
         raise ValueError(f"need m >= 1 micro-batches, got m={m!r}")
     size = x.shape[0]
     if size % m:
-        divisors = [d for d in range(1, size + 1) if size % d == 0]
-        shown = ", ".join(map(str, divisors[:4])) + (", ..." if len(divisors) > 4 else "")
+        options = divisors(size, 5)
+        shown = ", ".join(map(str, options[:4])) + (", ..." if len(options) > 4 else "")
         raise ValueError(f"a batch of {size} does not split into {m} micro-batches: use m in "
                          f"({shown}) or a batch that is a multiple of {m}")
     return list(torch.split(x, size // m))
@@ -258,8 +261,13 @@ def _schedule(schedule, stages: int, m: int) -> list[list[tuple[str, int]]]:
 
 
 def check_schedule(schedule, m: int) -> None:
-    """Raise ValueError unless every stage runs each F and B once, and B i after F i.
+    """Raise ValueError unless every stage runs each F and B once, B i after F i, and in the
+    same order as its neighbours: the F's as the stage before, the B's as the stage after.
 
+    The order matters because messages carry no micro-batch number: a stage's n-th receive
+    from a neighbour is that neighbour's n-th send (NCCL matches point-to-point messages by
+    order, not by tag), so a stage that took the F's in another order would pair micro-batch
+    0's activations with micro-batch 1's labels and compute a wrong gradient without an error.
     Whether the stages fit together without waiting on each other forever is
     :func:`simulate`'s question.
 
@@ -283,6 +291,15 @@ def check_schedule(schedule, m: int) -> None:
             if position["B", i] < position["F", i]:
                 raise ValueError(f"stage {stage} runs ('B', {i}) before ('F', {i}): a backward "
                                  f"needs its forward's activations")
+    for stage in range(1, len(schedule)):
+        for kind, sender in (("F", stage - 1), ("B", stage)):
+            receiver = stage if kind == "F" else stage - 1
+            order = {s: [i for k, i in schedule[s] if k == kind] for s in (sender, receiver)}
+            if order[sender] != order[receiver]:
+                raise ValueError(
+                    f"stage {receiver} runs the {kind}'s in the order {order[receiver]} but stage "
+                    f"{sender} sends them in the order {order[sender]}: messages are matched in "
+                    f"order, so neighbouring stages must run the {kind}'s in the same order")
 
 
 # ---- the bubble: formula, ideal timeline, measured ---------------------------------------------
@@ -292,7 +309,9 @@ def bubble_formula(stages: int, m: int) -> float:
     """The idle fraction of GPipe and 1F1B with equal stages: ``(stages - 1) / (m + stages - 1)``.
 
     Each rank works ``m`` slots of (forward + backward) in a step that lasts ``m + stages - 1``
-    slots: the pipeline takes ``stages - 1`` slots to fill and as many to drain.
+    slots. The ``stages - 1`` extra slots are the fill and the drain together: the forwards
+    take ``stages - 1`` forward-times to reach the last stage, and the backwards as many
+    backward-times to come back to the first.
 
     Example::
 
@@ -319,7 +338,7 @@ def simulate(schedule, forward=1.0, backward=2.0, message: float = 0.0) -> list[
         >>> round(measured_bubble(events), 12), bubble_formula(2, 4)
         (0.2, 0.2)
         >>> round(measured_bubble(simulate(gpipe_schedule(2, 4), message=0.5)), 3)
-        0.273
+        0.368
     """
     stages = len(schedule)
     check_schedule(schedule, len(schedule[0]) // 2)
@@ -412,7 +431,7 @@ def bubble_breakdown(events: list[dict]) -> dict:
 
         >>> b = bubble_breakdown(simulate(gpipe_schedule(2, 4), forward=1.0, message=0.5))
         >>> round(b["formula"], 3), round(b["messages"], 3), b["message_s"]
-        (0.2, 0.273, 0.5)
+        (0.2, 0.368, 0.5)
     """
     if not events:
         raise ValueError("no events: pass the 'events' that run_pipeline (or simulate) returned")
@@ -641,8 +660,8 @@ def bubble_sweep(stage_module_fn, ms, batch, *, schedules=("gpipe", "1f1b"), ste
     move it), ``measured_steps`` (each step's bubble) and ``step_s`` (median time from a step's
     first event to its last); and, from :func:`bubble_breakdown`, the bubble the schedule
     would have with each stage's own compute times (``uneven_stages``) and also with the
-    measured hand-over cost ``message_s`` (``with_messages``). ``m=1`` is naive model parallelism, measured once for all
-    schedules.
+    measured hand-over cost ``message_s`` (``with_messages``). ``m=1`` is naive model
+    parallelism, measured once for all schedules.
 
     Example::
 
@@ -710,7 +729,9 @@ def pipelining_step(stage_module_fn, schedule: str = "gpipe", m: int = 4, batch=
     micro_batches(x, m)  # the same check, and message, as run_pipeline
     module = stage_module_fn(rank, stages).to(device)
     stage = PipelineStage(module, rank, stages, device)
-    runner = classes[schedule](stage, n_microbatches=m, loss_fn=loss_fn)
+    # scale_grads=True divides the accumulated gradients by m (our losses are means); said
+    # explicitly because older torch (before 2.7) had no such option and summed them.
+    runner = classes[schedule](stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=True)
     first, last = rank == 0, rank == stages - 1
     args = (x.to(device),) if first else ()
     kwargs = {"target": y.to(device), "losses": []} if last else {}

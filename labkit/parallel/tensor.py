@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit._sizes import divisors
 from labkit.bench import _device
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "split_to_tp",
@@ -49,10 +50,11 @@ def _all_reduce(x, group):
     return x
 
 
-def _all_gather_last_dim(x, group):
-    parts = [torch.empty_like(x) for _ in range(_group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+def _gather(t, dim, group=None):
+    """Every rank's ``t`` concatenated along ``dim``, in rank order."""
+    parts = [torch.empty_like(t) for _ in range(_group_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def _my_slice_last_dim(x, group):
@@ -99,7 +101,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x) if _group_size(group) == 1 else _all_gather_last_dim(x, group)
+        return x.view_as(x) if _group_size(group) == 1 else _gather(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -120,7 +122,7 @@ class _SplitToTP(torch.autograd.Function):
     def backward(ctx, grad):
         if _group_size(ctx.group) == 1:
             return grad, None
-        return _all_gather_last_dim(grad, ctx.group), None
+        return _gather(grad, -1, ctx.group), None
 
 
 def copy_to_tp(x, group=None):
@@ -174,10 +176,6 @@ def split_to_tp(x, group=None):
 # ---- the layers ------------------------------------------------------------------------------
 
 
-def _divisors(n: int, limit: int = 64) -> list[int]:
-    return [d for d in range(2, min(n - 1, limit) + 1) if n % d == 0]  # 1 < d < n
-
-
 def check_split(n: int, tp: int, what: str = "out_features") -> int:
     """``n // tp``, or a ValueError that says which sizes and TP degrees would work.
 
@@ -194,8 +192,9 @@ def check_split(n: int, tp: int, what: str = "out_features") -> int:
     lower, upper = n - n % tp, n - n % tp + tp
     sizes = f"{lower} or {upper}" if lower else f"{upper}"
     hint = f"use a multiple of {tp} (e.g. {sizes})"
-    if _divisors(n):
-        hint += f", or a TP degree that divides {n} (e.g. {', '.join(map(str, _divisors(n)[:4]))})"
+    if divisors(n, proper=True):
+        hint += (f", or a TP degree that divides {n} "
+                 f"(e.g. {', '.join(map(str, divisors(n, 4, proper=True)))})")
     raise ValueError(f"{what} {n} does not split over {tp} ranks: {hint}")
 
 
@@ -351,7 +350,8 @@ class ParallelMLP(nn.Module):
 
     The activation must be elementwise (GeLU, ReLU): each rank applies it to its own slice of
     the hidden features, so nothing moves between the two GEMMs. One all-reduce forward (after
-    the second layer) and one backward (the input's gradient) is all it communicates.
+    the second layer) and one backward (the input's gradient, so only when the input requires
+    grad: the first layer of a model skips it) is all it communicates.
 
     Example::
 
@@ -449,11 +449,12 @@ def count_collectives(fn, *args, **kwargs) -> dict[str, int]:
     Uses ``torch.distributed.tensor.debug.CommDebugMode``, a dispatch mode that sees every op.
     DTensor issues functional collectives (``c10d_functional.all_reduce``); the hand-written
     layers call ``dist.all_reduce``, which reaches the dispatcher as ``c10d.allreduce_``.
-    CommDebugMode counts both, so one counter serves both implementations. Time the forward
+    CommDebugMode counts both, so one counter serves both implementations. Count the forward
     and the backward separately to see where each collective happens.
 
     Example::
 
+        >>> x = torch.randn(8, 16, requires_grad=True)   # else no input gradient to sum
         >>> outs = []
         >>> count_collectives(lambda: outs.append(mlp(x)))       # forward
         {'all_reduce': 1}
@@ -477,12 +478,6 @@ def _forward_backward(model, x):
     forward = count_collectives(lambda: outs.append(model(x)))
     backward = count_collectives(lambda: (outs[0].square().sum() / 2).backward())
     return outs[0].detach(), x.grad, {"forward": forward, "backward": backward}
-
-
-def _gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim=dim)
 
 
 def tp_check(batch: int = 8, in_f: int = 16, hidden: int = 64, out_f: int = 16,

@@ -1,0 +1,11 @@
+"""labkit._sizes: the sizes error messages suggest."""
+
+from labkit._sizes import divisors
+
+
+def test_divisors_in_order_up_to_64_and_the_limit():
+    assert divisors(100) == [1, 2, 4, 5, 10, 20, 25, 50]
+    assert divisors(100, 3) == [1, 2, 4]
+    assert divisors(1000, proper=True) == [2, 4, 5, 8, 10, 20, 25, 40]
+    assert divisors(7, proper=True) == [] and divisors(7) == [1, 7]
+    assert divisors(128) == [1, 2, 4, 8, 16, 32, 64]  # 128 itself is past the search
