@@ -19,8 +19,8 @@ import time
 
 __all__ = ["message_sizes", "bus_bandwidth", "fit_alpha_beta", "check_allreduce",
            "allreduce_sweep", "launch_overhead", "SCALING_MODES", "machine_workers",
-           "worker_counts", "scaling_sweep", "predict_scaling", "count_allreduces", "wide_mlp",
-           "bucket_sweep", "ddp_efficiency", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
+           "worker_counts", "scaling_sweep", "link_model", "ring_seconds", "predict_scaling",
+           "count_allreduces", "wide_mlp", "bucket_sweep", "ddp_efficiency", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
            "vgg16_flops", "vgg16_throughput", "main"]
 
 _FLOAT32 = 4  # bytes per element of the tensors the sweep reduces
@@ -141,14 +141,18 @@ def check_allreduce() -> float:
     return value
 
 
-def allreduce_sweep(sizes: list[int], iters: int = 20, warmup: int = 5) -> list[dict]:
+def allreduce_sweep(sizes: list[int], iters: int = 20, warmup: int = 5,
+                    algorithms=("builtin",)) -> list[dict]:
     """Worker function: time ``all_reduce`` of float32 messages of each size in ``sizes`` bytes.
 
     Each size gets ``warmup`` untimed calls (connection set-up, allocator, NCCL kernels), then
     ``iters`` timed ones, each started together behind a barrier and ended by a device
     synchronise (CUDA calls return before the GPU is done). A size's time is the median over
-    the calls, then the maximum over ranks: a collective is as slow as its slowest rank. Every
-    rank returns the same rows: ``bytes, seconds, algbw_GBps, busbw_GBps, ranks, backend``.
+    the calls, then the maximum over ranks: a collective is as slow as its slowest rank.
+    ``algorithms`` names implementations from ``labkit.parallel.collectives.ALGORITHMS``
+    ("builtin" is ``dist.all_reduce``, "ring", "doubling"); their timed calls alternate, so a
+    disturbance hits them alike. Every rank returns the same rows: ``algorithm, bytes,
+    seconds, algbw_GBps, busbw_GBps, ranks, backend``.
 
     Example::
 
@@ -156,9 +160,13 @@ def allreduce_sweep(sizes: list[int], iters: int = 20, warmup: int = 5) -> list[
         >>> rows = labkit.launch(allreduce_sweep, sizes, nproc=2).values[0]
         >>> rows[0]["bytes"], rows[0]["busbw_GBps"] > 0
         (1024, True)
+        >>> rows = labkit.launch(allreduce_sweep, [16 << 20], algorithms=("builtin", "ring"),
+        ...                      nproc=4).values[0]          # the ring against gloo's own
     """
     import torch
     import torch.distributed as dist
+
+    from .parallel.collectives import ALGORITHMS
 
     bad = [s for s in sizes if not isinstance(s, int) or s < _FLOAT32 or s % _FLOAT32]
     if bad or not sizes:
@@ -166,6 +174,10 @@ def allreduce_sweep(sizes: list[int], iters: int = 20, warmup: int = 5) -> list[
                          f"multiples of {_FLOAT32} (float32), got {bad or sizes}")
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not algorithms:
+        raise ValueError(f"unknown all-reduce algorithm(s) {unknown or list(algorithms)}: use "
+                         f"some of {', '.join(ALGORITHMS)}")
     device = _device()
     on_gpu = device.type == "cuda"
     n, backend = dist.get_world_size(), dist.get_backend()
@@ -184,23 +196,27 @@ def allreduce_sweep(sizes: list[int], iters: int = 20, warmup: int = 5) -> list[
     for size in sizes:
         # Zeros stay zeros under a sum, so repeated reductions never overflow to inf.
         x = torch.zeros(size // _FLOAT32, dtype=torch.float32, device=device)
-        for _ in range(warmup):
-            dist.all_reduce(x)
+        for name in algorithms:
+            for _ in range(warmup):
+                ALGORITHMS[name](x)
         sync()
-        times = []
+        times = {name: [] for name in algorithms}
         for _ in range(iters):
-            barrier()
-            sync()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            sync()
-            times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            for name in algorithms:
+                barrier()
+                sync()
+                start = time.perf_counter()
+                ALGORITHMS[name](x)
+                sync()
+                times[name].append(time.perf_counter() - start)
+        slowest = torch.tensor([statistics.median(times[name]) for name in algorithms],
+                               dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        seconds = slowest.item()
-        algbw = size / seconds / 1e9
-        rows.append({"bytes": size, "seconds": seconds, "algbw_GBps": algbw,
-                     "busbw_GBps": bus_bandwidth(algbw, n), "ranks": n, "backend": backend})
+        for name, seconds in zip(algorithms, slowest.tolist(), strict=True):
+            algbw = size / seconds / 1e9
+            rows.append({"algorithm": name, "bytes": size, "seconds": seconds,
+                         "algbw_GBps": algbw, "busbw_GBps": bus_bandwidth(algbw, n), "ranks": n,
+                         "backend": backend})
     return rows
 
 
@@ -409,6 +425,51 @@ def _time_steps(make, group, x, y, steps: int, warmup: int, device) -> float:
     return time.perf_counter() - start
 
 
+def link_model(allreduce_rows: list[dict]) -> dict:
+    """One link's latency and bandwidth, from an :func:`allreduce_sweep` on n >= 2 ranks.
+
+    A ring all-reduce of S bytes takes ``2 (n - 1)`` steps of one ``S / n`` chunk each, so the
+    fitted ``seconds = alpha + S * beta`` of the whole all-reduce is ``2 (n - 1)`` link
+    latencies plus ``2 (n - 1) / n`` of the message over one link. Returns ``alpha_s`` (one
+    message's latency) and ``bandwidth_GBps`` (one link's), what :func:`ring_seconds` takes.
+
+    Example::
+
+        >>> rows = [{"bytes": b, "seconds": 6e-5 + 1.5 * b / 1e9, "ranks": 4}
+        ...         for b in message_sizes(1024, 1 << 20)]
+        >>> {k: round(v, 9) for k, v in link_model(rows).items()}
+        {'alpha_s': 1e-05, 'bandwidth_GBps': 1.0}
+    """
+    fit = fit_alpha_beta(allreduce_rows)
+    ranks = allreduce_rows[0]["ranks"]
+    if ranks < 2:
+        raise ValueError("the all-reduce rows come from one rank, where nothing crosses a link: "
+                         "measure them with nproc >= 2")
+    beta = fit["beta_s_per_byte"] * ranks / (2 * (ranks - 1))
+    return {"alpha_s": fit["alpha_s"] / (2 * (ranks - 1)),
+            "bandwidth_GBps": 1 / beta / 1e9 if beta > 0 else float("inf")}
+
+
+def ring_seconds(nbytes: float, n: int, *, alpha_s: float, bandwidth_GBps: float) -> float:
+    """The alpha-beta model of a ring all-reduce: ``2 (n - 1) (alpha + S / n / B)``.
+
+    ``2 (n - 1)`` steps, each paying one message's latency ``alpha`` and carrying one chunk of
+    ``S / n`` bytes over a link of ``B`` GB/s: ``2 (n - 1) / n * S / B`` of transfer in all.
+
+    Example::
+
+        >>> round(ring_seconds(16 << 20, 4, alpha_s=0.0, bandwidth_GBps=1.0), 4)   # 1.5 S / B
+        0.0252
+    """
+    if n < 1 or nbytes < 0 or alpha_s < 0 or not bandwidth_GBps > 0:
+        raise ValueError(f"need n >= 1, nbytes >= 0, alpha_s >= 0 and bandwidth_GBps > 0; got "
+                         f"n={n}, nbytes={nbytes}, alpha_s={alpha_s}, "
+                         f"bandwidth_GBps={bandwidth_GBps}")
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (alpha_s + nbytes / n / (bandwidth_GBps * 1e9))
+
+
 def predict_scaling(rows: list[dict], allreduce_rows: list[dict], workers) -> list[dict]:
     """A simple model of the same runs: compute time plus a ring all-reduce of the gradients.
 
@@ -424,13 +485,7 @@ def predict_scaling(rows: list[dict], allreduce_rows: list[dict], workers) -> li
 
         >>> predicted = predict_scaling(rows, allreduce_rows, workers=[1, 2, 4, 8, 16, 32, 64])
     """
-    fit = fit_alpha_beta(allreduce_rows)
-    ranks = allreduce_rows[0]["ranks"]
-    if ranks < 2:
-        raise ValueError("the all-reduce rows come from one rank, where nothing crosses a link: "
-                         "measure them with nproc >= 2")
-    link_alpha = fit["alpha_s"] / (2 * (ranks - 1))
-    link_beta = fit["beta_s_per_byte"] * ranks / (2 * (ranks - 1))
+    link = link_model(allreduce_rows)
     predicted = []
     for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "independent"):
         one = next((r for r in rows if r["mode"] == mode and r["workers"] == 1), None)
@@ -439,8 +494,7 @@ def predict_scaling(rows: list[dict], allreduce_rows: list[dict], workers) -> li
         for n in workers:
             b = one["per_worker_batch"] if mode == "weak" else one["global_batch"] / n
             compute = one["step_s"] * b / one["per_worker_batch"]
-            comm = (2 * (n - 1) * link_alpha + 2 * (n - 1) / n * one["grad_bytes"] * link_beta
-                    if n > 1 else 0.0)
+            comm = ring_seconds(one["grad_bytes"], n, **link)
             step = compute + comm
             sps = b * n / step
             predicted.append({"mode": mode, "workers": n, "per_worker_batch": b,
@@ -676,13 +730,33 @@ def _print_launch(r: dict) -> None:
 
 
 def _print_allreduce(rows: list[dict]) -> None:
-    print(f"all_reduce sweep ({rows[0]['ranks']} ranks, {rows[0]['backend']})")
-    print(f"  {'bytes':>10}  {'time ms':>9}  {'algbw GB/s':>10}  {'busbw GB/s':>10}")
-    for r in rows:
-        print(f"  {r['bytes']:>10}  {r['seconds'] * 1e3:>9.3f}  {r['algbw_GBps']:>10.3f}  "
-              f"{r['busbw_GBps']:>10.3f}")
-    fit = fit_alpha_beta(rows)
-    print(f"  fit: alpha = {fit['alpha_s'] * 1e6:.1f} us, bandwidth = {fit['bandwidth_GBps']:.2f} GB/s")
+    n = rows[0]["ranks"]
+    names = list(dict.fromkeys(r.get("algorithm", "builtin") for r in rows))
+    by = {(r.get("algorithm", "builtin"), r["bytes"]): r for r in rows}
+    print(f"all_reduce sweep ({n} ranks, {rows[0]['backend']}): time ms and busbw GB/s")
+    print(f"  {'bytes':>10}" + "".join(f"  {name + ' ms':>12} {'busbw':>7}" for name in names)
+          + "".join(f"  {name + '/builtin':>16}" for name in names if name != "builtin"))
+    for size in dict.fromkeys(r["bytes"] for r in rows):
+        cells = "".join(f"  {by[name, size]['seconds'] * 1e3:>12.3f} "
+                        f"{by[name, size]['busbw_GBps']:>7.3f}" for name in names)
+        if "builtin" in names:  # bandwidth ratio: >= 1 means as fast as gloo's or NCCL's own
+            cells += "".join(f"  {by['builtin', size]['seconds'] / by[name, size]['seconds']:>16.2f}"
+                             for name in names if name != "builtin")
+        print(f"  {size:>10}{cells}")
+    for name in names:
+        mine = [r for r in rows if r.get("algorithm", "builtin") == name]
+        fit = fit_alpha_beta(mine)
+        print(f"  fit {name}: alpha = {fit['alpha_s'] * 1e6:.1f} us, "
+              f"bandwidth = {fit['bandwidth_GBps']:.2f} GB/s")
+    builtin = [r for r in rows if r.get("algorithm", "builtin") == "builtin"]
+    if "ring" in names and builtin and n > 1:
+        link = link_model(builtin)
+        size = max(r["bytes"] for r in rows)
+        model = ring_seconds(size, n, **link)
+        print(f"  ring model 2(n-1)(alpha + S/n/B) with the builtin's link (alpha "
+              f"{link['alpha_s'] * 1e6:.1f} us, B {link['bandwidth_GBps']:.2f} GB/s): "
+              f"{model * 1e3:.2f} ms at {size} bytes; the ring measured "
+              f"{by['ring', size]['seconds'] * 1e3:.2f} ms")
 
 
 def _fmt_list(xs) -> str:
@@ -908,10 +982,12 @@ def _print_vgg16(rows: list[dict]) -> None:
 BENCHMARKS = ("launch", "allreduce", "ddp", "vgg16")
 
 
-def main(which: str = "all", repeats: int = 5) -> int:
+def main(which: str = "all", repeats: int = 5, nproc: int | None = None) -> int:
     """``python -m labkit bench [all|launch|allreduce|ddp|vgg16]``: run benchmarks, print their figures.
 
-    ``--repeats`` sets the launch benchmark's runs; vgg16 picks its sizes from the device.
+    ``--repeats`` sets the launch benchmark's runs; ``--nproc`` the ranks of allreduce (4:
+    the hand-written ring and recursive doubling beside the built-in) and ddp (2); vgg16
+    picks its sizes from the device.
     """
     chosen = BENCHMARKS if which == "all" else (which,)
     unknown = [b for b in chosen if b not in BENCHMARKS]
@@ -922,15 +998,22 @@ def main(which: str = "all", repeats: int = 5) -> int:
     if repeats < 1:
         print(f"labkit bench: --repeats must be >= 1, got {repeats}", file=sys.stderr)
         return 2
+    if nproc is not None and nproc < 2:
+        print(f"labkit bench: --nproc must be >= 2 (one rank has nothing to measure), got {nproc}",
+              file=sys.stderr)
+        return 2
     if "launch" in chosen:
         _print_launch(launch_overhead(repeats=repeats))
     if "allreduce" in chosen:
         from .launcher import launch
 
+        ranks = nproc or 4
+        algorithms = ("builtin", "ring") + (("doubling",) if ranks & (ranks - 1) == 0 else ())
         sizes = message_sizes(1 << 10, 16 << 20)
-        _print_allreduce(launch(allreduce_sweep, sizes, iters=10, nproc=2, show_ranks=[]).values[0])
+        _print_allreduce(launch(allreduce_sweep, sizes, iters=10, algorithms=algorithms,
+                                nproc=ranks, show_ranks=[]).values[0])
     if "ddp" in chosen:
-        _print_ddp(ddp_efficiency(2, repeats=repeats))
+        _print_ddp(ddp_efficiency(nproc or 2, repeats=repeats))
     if "vgg16" in chosen:  # in this process: one device, no workers needed
         _print_vgg16(vgg16_throughput())
     return 0

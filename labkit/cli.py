@@ -34,7 +34,7 @@ def _launch(args) -> int:
 def _bench(args) -> int:
     from . import bench
 
-    return bench.main(args.which, repeats=args.repeats)
+    return bench.main(args.which, repeats=args.repeats, nproc=args.nproc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run benchmarks and print their figures")
     bench.add_argument("which", nargs="?", default="all", help="all, launch, allreduce, ddp, vgg16")
     bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--nproc", type=int, default=None,
+                       help="ranks for allreduce (default 4) and ddp (default 2)")
     bench.set_defaults(func=_bench)
     return parser
 

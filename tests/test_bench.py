@@ -124,7 +124,8 @@ def test_sweep_rows_single_rank(group):
     rows = allreduce_sweep(sizes, iters=3, warmup=1)
     assert [r["bytes"] for r in rows] == sizes
     for r in rows:
-        assert set(r) == {"bytes", "seconds", "algbw_GBps", "busbw_GBps", "ranks", "backend"}
+        assert set(r) == {"algorithm", "bytes", "seconds", "algbw_GBps", "busbw_GBps", "ranks",
+                          "backend"} and r["algorithm"] == "builtin"
         assert r["seconds"] > 0
         assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
         assert r["busbw_GBps"] == 0.0 and r["ranks"] == 1 and r["backend"] == "gloo"
@@ -137,6 +138,9 @@ def test_sweep_rows_single_rank(group):
     ({"sizes": [1024.0]}, "byte counts"),
     ({"sizes": [1024], "iters": 0}, "iters >= 1"),
     ({"sizes": [1024], "warmup": -1}, "warmup >= 0"),
+    ({"sizes": [1024], "algorithms": ("builtin", "tree")}, r"unknown all-reduce algorithm\(s\) "
+                                                            r"\['tree'\]: use some of builtin, ring"),
+    ({"sizes": [1024], "algorithms": ()}, r"algorithm\(s\) \[\]"),
 ])
 def test_sweep_rejects_bad_arguments(group, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -433,6 +437,54 @@ def test_predict_scaling_is_compute_plus_a_ring_allreduce():
     # compute taken as proportional to the batch: at 4 workers each has the weak batch again
     assert by["strong", 4]["efficiency"] == pytest.approx(by["weak", 4]["efficiency"])
     assert by["weak", 2]["efficiency"] < by["strong", 2]["efficiency"] < 1
+
+
+def test_link_model_undoes_the_rings_2_n_minus_1_steps():
+    # 4 ranks, link latency 10 us and 1 GB/s: the whole all-reduce takes 6 alpha + 1.5 S / B.
+    rows = _allreduce_rows(4, 6 * 10e-6, 1.5e-9)
+    link = bench.link_model(rows)
+    assert link == {"alpha_s": pytest.approx(10e-6), "bandwidth_GBps": pytest.approx(1.0)}
+    assert bench.ring_seconds(1 << 20, 4, **link) == pytest.approx(6 * 10e-6 + 1.5 * (1 << 20) / 1e9)
+    with pytest.raises(ValueError, match="come from one rank.*nproc >= 2"):
+        bench.link_model(_allreduce_rows(1, 1e-5, 1e-9))
+
+
+def test_ring_seconds_model_and_its_refusals():
+    assert bench.ring_seconds(16 << 20, 1, alpha_s=1.0, bandwidth_GBps=1.0) == 0.0  # no link
+    # Bandwidth term 2 (n - 1) / n * S / B tends to 2 S / B as n grows; latency grows with n.
+    assert bench.ring_seconds(1e9, 2, alpha_s=0, bandwidth_GBps=1) == pytest.approx(1.0)
+    assert bench.ring_seconds(1e9, 64, alpha_s=0, bandwidth_GBps=1) == pytest.approx(2 * 63 / 64)
+    for bad in ({"n": 0}, {"nbytes": -1}, {"alpha_s": -1e-6}, {"bandwidth_GBps": 0}):
+        args = {"nbytes": 1024, "n": 4, "alpha_s": 1e-6, "bandwidth_GBps": 1.0, **bad}
+        with pytest.raises(ValueError, match="need n >= 1, nbytes >= 0, alpha_s >= 0"):
+            bench.ring_seconds(args.pop("nbytes"), args.pop("n"), **args)
+
+
+def test_bench_allreduce_prints_each_algorithm_its_ratio_and_the_model(monkeypatch, capsys):
+    calls = {}
+
+    def fake_launch(fn, sizes, **kwargs):
+        calls.update(kwargs)
+        n = kwargs["nproc"]
+        rows = [{"algorithm": a, "bytes": b, "seconds": (6e-5 + 1.5 * b / 1e9) * f,
+                 "algbw_GBps": 1.0, "busbw_GBps": 1.5, "ranks": n, "backend": "gloo"}
+                for b in sizes for a, f in (("builtin", 1.0), ("ring", 1.25), ("doubling", 2.0))
+                if a in kwargs["algorithms"]]
+        return type("Result", (), {"values": [rows] * n})()
+
+    monkeypatch.setattr("labkit.launcher.launch", fake_launch)
+    assert bench.main("allreduce") == 0
+    out = capsys.readouterr().out
+    assert calls["nproc"] == 4 and calls["algorithms"] == ("builtin", "ring", "doubling")
+    assert "ring/builtin" in out and "doubling/builtin" in out
+    last = [line for line in out.splitlines() if line.strip().startswith("16777216")][0]
+    assert last.split()[-2:] == ["0.80", "0.50"]  # builtin time / ring time, / doubling time
+    assert "fit ring: alpha = 75.0 us, bandwidth = 0.53 GB/s" in out
+    assert "ring model 2(n-1)(alpha + S/n/B) with the builtin's link (alpha 10.0 us, B 1.00 GB/s)" in out
+    assert bench.main("allreduce", nproc=3) == 0  # 3 ranks: no recursive doubling (needs 2^k)
+    assert calls["algorithms"] == ("builtin", "ring")
+    assert bench.main("allreduce", nproc=1) == 2
+    assert "--nproc must be >= 2" in capsys.readouterr().err
 
 
 def test_predict_scaling_needs_two_ranks_and_a_one_worker_row():
