@@ -36,3 +36,14 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A one-rank gloo process group in this process: worker functions without a launcher."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    yield dist
+    dist.destroy_process_group()

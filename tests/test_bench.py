@@ -20,18 +20,6 @@ from labkit.bench import (
     vgg16_throughput,
 )
 
-
-@pytest.fixture
-def group(tmp_path):
-    """A one-rank process group in this process: the worker functions without a launcher."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
-
 # ------------------------------------------------------------------------------ pure helpers
 
 

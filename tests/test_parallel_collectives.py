@@ -19,16 +19,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NUMELS = (1, 3, 10, 1000, 12345)  # fewer elements than ranks, uneven chunks, several KB
 
 
-@pytest.fixture
-def group(tmp_path):
-    """A one-rank gloo group in this process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
 
 def test_one_rank_is_the_identity_in_place(group):
     for fn in (ring_allreduce, recursive_doubling_allreduce):

@@ -319,16 +319,6 @@ def test_reference_step_is_the_full_model_on_the_full_batch():
 SMALL = partial(mlp_stack, width=32, depth=4, inputs=8)
 
 
-@pytest.fixture
-def group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
-
 def test_one_stage_pipeline_is_gradient_accumulation(group):
     batch = example_batch(12, inputs=8)
     ref = reference_step(stage_builder(SMALL), 1, batch)
