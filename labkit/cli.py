@@ -1,4 +1,4 @@
-"""``python -m labkit {lab,launch,bench,doctor}``: argument parsing only; the work lives in the modules."""
+"""``python -m labkit {lab,launch,bench,doctor,slurm}``: argument parsing only; the work lives in the modules."""
 
 from __future__ import annotations
 
@@ -37,6 +37,26 @@ def _bench(args) -> int:
     return bench.main(args.which, repeats=args.repeats, nproc=args.nproc)
 
 
+def _slurm(args) -> int:
+    from .slurm import write_sbatch
+
+    try:
+        path = write_sbatch(args.output, args.script, *args.script_args, nodes=args.nodes,
+                            gpus_per_node=args.gpus_per_node, nproc_per_node=args.nproc_per_node,
+                            cpus_per_task=args.cpus_per_task, time=args.time,
+                            partition=args.partition, job_name=args.job_name,
+                            output=args.job_output, port=args.port, python=args.python,
+                            extra_sbatch=args.sbatch)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"labkit slurm: {exc}", file=sys.stderr)
+        return 1
+    print(f"labkit slurm: wrote {path} ({args.nodes} node(s), one torchrun agent each).")
+    print(f"Submit it on the cluster's login node:  sbatch {path}")
+    print(f"Follow it with `squeue --me`; its output goes to {args.job_output} "
+          f"(%x: the job's name, %j: its id).")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -62,6 +82,33 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_launch)
+
+    slurm = sub.add_parser("slurm", help="write an sbatch script: srun + torchrun, one agent per node",
+                           description="Write an sbatch script that runs SCRIPT with torchrun on "
+                           "every node of a Slurm job. labkit's options go before SCRIPT, the "
+                           "script's own --options after `--`, e.g.: "
+                           "python -m labkit slurm --nodes 2 train.py -- --epochs 3")
+    slurm.add_argument("script", help="the training script (e.g. train.py)")
+    slurm.add_argument("script_args", nargs="*", help="arguments for the script")
+    slurm.add_argument("--nodes", type=int, default=1)
+    slurm.add_argument("--gpus-per-node", type=int, default=0)
+    slurm.add_argument("--nproc-per-node", type=int, default=None,
+                       help="workers per node (default: --gpus-per-node, or 1)")
+    slurm.add_argument("--cpus-per-task", type=int, default=None,
+                       help="CPUs for each node's agent and its workers")
+    slurm.add_argument("--time", default="01:00:00", help="time limit, e.g. 30 or 02:00:00")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--job-name", default=None, help="default: the script's name")
+    slurm.add_argument("--port", type=int, default=None,
+                       help="rendezvous port (default: derived from the job id)")
+    slurm.add_argument("--python", default=None,
+                       help="interpreter on the nodes (default: this one; 'python' for PATH's)")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                       help="extra #SBATCH option, repeatable, e.g. --sbatch=--account=myproj")
+    slurm.add_argument("--job-output", default="%x-%j.out",
+                       help="the job's output file (sbatch --output), default %(default)s")
+    slurm.add_argument("-o", "--output", default="job.sbatch", help="the file to write")
+    slurm.set_defaults(func=_slurm)
 
     bench = sub.add_parser("bench", help="run benchmarks and print their figures")
     bench.add_argument("which", nargs="?", default="all", help="all, launch, allreduce, ddp, vgg16")
