@@ -23,7 +23,8 @@ _LAZY = {
     "stray_workers": ".launcher",
 }
 
-_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check", "ddp")
+_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check", "ddp",
+                 "perf")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

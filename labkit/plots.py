@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
            "live_training_curves", "scaling_plot", "large_batch_plot", "pipeline_timeline",
-           "bubble_plot"]
+           "bubble_plot", "staleness_plot", "bytes_accuracy_plot", "tuning_plot"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -19,11 +19,13 @@ def _size_label(n: float, _pos=None) -> str:
     return f"{n:g} B"
 
 
-def bandwidth_plot(rows: list[dict], ax=None):
+def bandwidth_plot(rows: list[dict], ax=None, model: list[dict] | None = None):
     """Algorithm and bus bandwidth against message size (log-log), from ``allreduce_sweep`` rows.
 
-    Draws on ``ax`` when given, else on a new figure; returns the Figure. A bus bandwidth of 0
-    (one rank: nothing crosses a link) has no place on a log axis and is left out.
+    Rows of several algorithms (``allreduce_sweep(..., algorithms=...)``) get one busbw line
+    each; ``model`` (rows with ``bytes`` and ``busbw_GBps``, e.g. from ``bench.ring_seconds``)
+    is drawn dashed. Draws on ``ax`` when given, else on a new figure; returns the Figure. A bus
+    bandwidth of 0 (one rank: nothing crosses a link) has no place on a log axis and is left out.
 
     Example::
 
@@ -44,11 +46,19 @@ def bandwidth_plot(rows: list[dict], ax=None):
         fig, ax = plt.subplots(figsize=(7, 4.5))
     else:
         fig = ax.figure
-    sizes = [r["bytes"] for r in rows]
-    ax.plot(sizes, [r["algbw_GBps"] for r in rows], "o-", label="algbw (bytes / time)")
-    bus = [(s, r["busbw_GBps"]) for s, r in zip(sizes, rows, strict=True) if r["busbw_GBps"] > 0]
-    if bus:
-        ax.plot(*zip(*bus, strict=True), "s--", label="busbw (algbw x 2(n-1)/n)")
+    algorithms = list(dict.fromkeys(r.get("algorithm", "builtin") for r in rows))
+    if len(algorithms) == 1:
+        sizes = [r["bytes"] for r in rows]
+        ax.plot(sizes, [r["algbw_GBps"] for r in rows], "o-", label="algbw (bytes / time)")
+    for name in algorithms:
+        bus = [(r["bytes"], r["busbw_GBps"]) for r in rows
+               if r.get("algorithm", "builtin") == name and r["busbw_GBps"] > 0]
+        label = "busbw (algbw x 2(n-1)/n)" if len(algorithms) == 1 else f"busbw, {name}"
+        if bus:
+            ax.plot(*zip(*bus, strict=True), "s--" if len(algorithms) == 1 else "o-", label=label)
+    if model:
+        ax.plot([r["bytes"] for r in model], [r["busbw_GBps"] for r in model], "k:",
+                label="alpha-beta model of the ring")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_locator(LogLocator(base=2, numticks=12))  # a label every few powers of 2
@@ -60,6 +70,72 @@ def bandwidth_plot(rows: list[dict], ax=None):
     ax.set_title(f"all-reduce bandwidth{who}")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def staleness_plot(result: dict, ax=None):
+    """Each update's staleness, in the order the server applied it, one colour per worker.
+
+    ``result`` is rank 0's return value of ``parameter_server``. Returns the Figure.
+
+    Example::
+
+        >>> out = labkit.launch(parameter_server, make, train, val, mode="async",
+        ...                     slow={1: 0.01}, nproc=3).values[0]
+        >>> fig = staleness_plot(out)
+    """
+    from matplotlib import pyplot as plt
+
+    missing = {"staleness", "pushed_by", "mode"} - set(result)
+    if missing:
+        raise ValueError(f"result lacks {sorted(missing)}: pass rank 0's return value of "
+                         f"parameter_server (values[0])")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+    else:
+        fig = ax.figure
+    for worker in sorted(set(result["pushed_by"])):
+        points = [(i, s) for i, (s, who) in enumerate(zip(result["staleness"], result["pushed_by"],
+                                                          strict=True)) if who == worker]
+        ax.plot(*zip(*points, strict=True), ".", label=f"worker {worker}")
+    ax.set_xlabel("gradient applied (in arrival order)")
+    ax.set_ylabel("staleness (updates since its weights)")
+    ax.set_title(f"{result['mode']} parameter server")
+    ax.legend(frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def bytes_accuracy_plot(rows: list[dict], ax=None):
+    """Accuracy against the bytes each rank sent (a fraction of dense training's), labelled.
+
+    ``rows`` are ``compressed_training`` results with a ``label``. Returns the Figure.
+
+    Example::
+
+        >>> fig = bytes_accuracy_plot([{**r, "label": r["method"]} for r in results])
+    """
+    from matplotlib import pyplot as plt
+
+    advice = "pass compressed_training's results, each with a 'label' added"
+    if not rows:
+        raise ValueError(f"no rows to plot: {advice}")
+    _check_rows(rows, ["bytes_per_rank", "dense_bytes", "accuracy", "label"], "rows", advice)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+    else:
+        fig = ax.figure
+    for r in rows:
+        share = r["bytes_per_rank"] / r["dense_bytes"]
+        ax.plot(share, r["accuracy"], "o")
+        ax.annotate(r["label"], (share, r["accuracy"]), textcoords="offset points",
+                    xytext=(5, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes sent per rank (fraction of dense)")
+    ax.set_ylabel("validation accuracy")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
@@ -576,5 +652,54 @@ def bubble_plot(rows: list[dict], ax=None):
     ax.set_ylim(0, max(0.55, max(r["measured"] for r in rows) * 1.1))
     ax.legend(frameon=False)
     ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# ---- performance tuning: every technique against its own baseline ------------------------------
+
+
+def tuning_plot(rows: list[dict], ax=None):
+    """One bar per technique: how many times better it made its own baseline (log scale).
+
+    ``rows`` are ``labkit.perf.result_row`` dicts (``technique, speedup, unit``); a bar right
+    of the 1.0 line helped, left of it hurt. Each bar is labelled with its factor and what was
+    measured, since the techniques gain different things (time, bytes, memory). Draws on ``ax``
+    when given; returns the Figure.
+
+    Example::
+
+        >>> rows = [result_row("bf16 autocast", 0.02, 0.01, "s/step"),
+        ...         result_row("fp16 compression", 40872, 20436, "bytes/step")]
+        >>> fig = tuning_plot(rows)
+    """
+    from matplotlib import pyplot as plt
+
+    if not rows:
+        raise ValueError("no rows to plot: pass the rows built with labkit.perf.result_row")
+    missing = sorted({k for r in rows for k in ("technique", "speedup", "unit") if k not in r})
+    if missing:
+        raise ValueError(f"rows lack {missing}: build them with labkit.perf.result_row")
+    bad = [r["technique"] for r in rows if not r["speedup"] > 0]
+    if bad:
+        raise ValueError(f"speedup must be > 0 to sit on a log axis; not for {bad}")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.4))
+    else:
+        fig = ax.figure
+    names = [r["technique"] for r in rows][::-1]  # first row on top
+    gains = [r["speedup"] for r in rows][::-1]
+    colors = ["tab:green" if g >= 1 else "tab:red" for g in gains]
+    # Bars grow from the 1.0 line, so a technique that hurt points left.
+    ax.barh(names, [g - 1.0 for g in gains], left=1.0, color=colors, alpha=0.8)
+    ax.set_xscale("log", base=2)
+    ax.axvline(1.0, color="k", lw=1)
+    for y, (g, r) in enumerate(zip(gains, rows[::-1], strict=True)):
+        ax.text(g, y, f" {g:.2f}x ({r['unit']})", va="center", fontsize=8)
+    lo, hi = min(gains + [1.0]), max(gains + [1.0])
+    ax.set_xlim(lo / 1.5, hi * 4)  # room on the right for the labels
+    ax.set_xlabel("gain over the baseline (x, log scale; > 1 is better)")
+    ax.set_title("performance tuning: each technique against its own baseline")
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig

@@ -66,6 +66,45 @@ def test_bandwidth_plot_rejects_what_it_cannot_draw(rows, match):
         bandwidth_plot(rows)
 
 
+def test_bandwidth_plot_one_busbw_line_per_algorithm_and_the_model():
+    rows = [{**r, "algorithm": name, "busbw_GBps": r["busbw_GBps"] * f}
+            for name, f in (("builtin", 1.0), ("ring", 0.8)) for r in _rows(n=4)]
+    model = [{"bytes": r["bytes"], "busbw_GBps": 2.0} for r in _rows(n=4)]
+    lines = bandwidth_plot(rows, model=model).axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["busbw, builtin", "busbw, ring",
+                                                    "alpha-beta model of the ring"]
+    assert list(lines[1].get_ydata()) == pytest.approx([r["busbw_GBps"] * 0.8 for r in _rows(4)])
+
+
+def test_staleness_plot_one_colour_per_worker():
+    from labkit.plots import staleness_plot
+
+    result = {"mode": "async", "staleness": [0, 1, 0, 3, 0], "pushed_by": [1, 2, 2, 1, 2]}
+    (ax,) = staleness_plot(result).axes
+    assert [line.get_label() for line in ax.get_lines()] == ["worker 1", "worker 2"]
+    assert list(ax.get_lines()[0].get_xdata()) == [0, 3]
+    assert list(ax.get_lines()[0].get_ydata()) == [0, 3]
+    assert ax.get_title() == "async parameter server"
+    with pytest.raises(ValueError, match=r"lacks \['pushed_by'\]: pass rank 0's return value"):
+        staleness_plot({"mode": "sync", "staleness": [0]})
+
+
+def test_bytes_accuracy_plot_labels_each_point_on_a_log_axis():
+    from labkit.plots import bytes_accuracy_plot
+
+    rows = [{"label": "dense", "bytes_per_rank": 100, "dense_bytes": 100, "accuracy": 0.94},
+            {"label": "top-k 1 %", "bytes_per_rank": 2, "dense_bytes": 100, "accuracy": 0.93}]
+    (ax,) = bytes_accuracy_plot(rows).axes
+    assert [line.get_xydata().tolist() for line in ax.get_lines()] == [[[1.0, 0.94]],
+                                                                       [[0.02, 0.93]]]
+    assert [t.get_text() for t in ax.texts] == ["dense", "top-k 1 %"]
+    assert ax.get_xscale() == "log"
+    with pytest.raises(ValueError, match="no rows to plot"):
+        bytes_accuracy_plot([])
+    with pytest.raises(ValueError, match=r"rows lack \['label'\]: pass compressed_training's"):
+        bytes_accuracy_plot([{k: v for k, v in rows[0].items() if k != "label"}])
+
+
 # ---------------------------------------------------------------------------- augmentation
 
 
@@ -523,3 +562,34 @@ def test_bubble_plot_measured_per_schedule_beside_the_formula():
         bubble_plot([])
     with pytest.raises(ValueError, match=r"lack \['formula'\]"):
         bubble_plot([{k: v for k, v in rows[0].items() if k != "formula"}])
+
+
+def test_tuning_plot_bars_grow_from_one_in_both_directions():
+    from labkit.perf import result_row
+    from labkit.plots import tuning_plot
+
+    rows = [result_row("bf16 autocast", 0.02, 0.01, "s/step"),
+            result_row("fp16 on a CPU", 0.01, 0.04, "s/step"),
+            result_row("PowerSGD", 40872, 3196, "bytes/step")]
+    fig = tuning_plot(rows)
+    (ax,) = fig.axes
+    bars = ax.patches
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["PowerSGD", "fp16 on a CPU",
+                                                            "bf16 autocast"]  # first row on top
+    assert [b.get_x() for b in bars] == [1.0, 1.0, 1.0]
+    assert [b.get_x() + b.get_width() for b in bars] == pytest.approx([40872 / 3196, 0.25, 2.0])
+    assert bars[1].get_facecolor() != bars[2].get_facecolor()  # hurt and helped differ
+    assert ax.get_xscale() == "log" and ax.get_lines()[0].get_xdata()[0] == 1.0
+    assert [t.get_text() for t in ax.texts][2] == " 2.00x (s/step)"
+    fig.canvas.draw()
+
+
+def test_tuning_plot_refuses_what_it_cannot_draw():
+    from labkit.plots import tuning_plot
+
+    with pytest.raises(ValueError, match="no rows to plot"):
+        tuning_plot([])
+    with pytest.raises(ValueError, match=r"lack \['unit'\]"):
+        tuning_plot([{"technique": "x", "speedup": 2.0}])
+    with pytest.raises(ValueError, match=r"not for \['x'\]"):
+        tuning_plot([{"technique": "x", "speedup": 0.0, "unit": "s"}])
