@@ -95,6 +95,7 @@ def launch(
     rdzv_endpoint: str | None = None,
     show_ranks=None,
     keep_run_dir: bool = False,
+    env: dict | None = None,
     **kwargs,
 ) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` workers with the process group ready.
@@ -114,19 +115,29 @@ def launch(
         [21, 21]
         >>> labkit.launch("train.py", "--epochs", "1", nproc=2)    # the %%writefile style
 
+    ``env`` adds environment variables for this run (torchrun and its workers; the kernel's
+    own environment is left as it is). They are in place before torch starts in the workers,
+    which is when it reads ``TORCH_DISTRIBUTED_DEBUG``, ``NCCL_DEBUG`` and the like::
+
+        >>> labkit.launch(total, 10, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+
+    The launcher's own keywords (``nproc``, ``timeout``, ``env``, ...) are not passed on to
+    ``fn``; every other keyword argument is.
+
     Raises :class:`LaunchError` naming the first failing rank with its traceback, and
     :class:`LaunchTimeout` (with every stuck rank's stack) when ``timeout`` seconds pass.
     """
     __tracebackhide__ = True  # IPython shows the LaunchError, not the controller's frames
     job, gpus = _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node_rank,
                           rdzv_endpoint)
+    extra_env = _check_env(env)
     run_dir = Path(tempfile.mkdtemp(prefix="labkit-run-"))  # mkdtemp makes it 0700
     try:
         _write_job(run_dir, job, fn, args, kwargs)
         command = _torchrun_command(run_dir, nproc, nnodes, node_rank, rdzv_endpoint)
         if nnodes > 1:
             _print_other_nodes(fn, nproc, nnodes, node_rank, rdzv_endpoint)
-        run = _start(run_dir, command, _worker_env(nproc, gpus))
+        run = _start(run_dir, command, _worker_env(nproc, gpus, extra_env))
         return _supervise(run, job, nproc, timeout, show_ranks, command)
     finally:
         if keep_run_dir:
@@ -183,6 +194,25 @@ def _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node
         "sys_path": [p or os.getcwd() for p in sys.path],
     }
     return job, gpus
+
+
+def _check_env(env) -> dict:
+    """The workers' extra environment, checked: a dict of str to str (what os.environ holds)."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise ValueError(f"env must be a dict of variable names to values, got {type(env).__name__}: "
+                         "e.g. env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise ValueError(f"env: {key!r} is not a valid variable name: use a non-empty string "
+                             "without '=', e.g. 'NCCL_DEBUG'")
+        if not isinstance(value, str):
+            raise ValueError(f"env[{key!r}] is {type(value).__name__} {value!r}, but environment "
+                             f"values are strings: write {key!r}: {str(value)!r}")
+        if "\0" in value:
+            raise ValueError(f"env[{key!r}] contains a NUL character, which no environment can hold")
+    return dict(env)
 
 
 def _write_job(run_dir: Path, job: dict, fn, args, kwargs) -> None:
@@ -297,9 +327,10 @@ _AGENT_BOOT = (
 )
 
 
-def _worker_env(nproc: int, gpus: int) -> dict:
-    """The controller's environment plus what the workers need to find it and behave."""
+def _worker_env(nproc: int, gpus: int, extra: dict | None = None) -> dict:
+    """The controller's environment, the caller's ``env`` over it, and what the workers need."""
     env = dict(os.environ)
+    env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the cell as they are printed
     env["LABKIT_CONTROLLER_PID"] = str(os.getpid())
     env["LABKIT_CONTROLLER_START"] = process_start_time(os.getpid()) or ""

@@ -578,3 +578,54 @@ def test_stray_workers_finds_a_worker_of_this_controller_only():
             proc.kill()
             proc.wait()
     assert stray_workers() == []
+
+
+# ---- env: variables for the workers ------------------------------------------------------------
+
+
+def test_env_reaches_the_workers_before_the_process_group_and_kwargs_still_reach_fn(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = launch(report_env, 7, nproc=2, show_ranks=[], label="x",
+                 env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "LABKIT_TEST_VALUE": "42",
+                      "OMP_NUM_THREADS": "3"})
+    for rank, value in enumerate(res.values):
+        assert value == {"rank": rank, "debug": "DETAIL", "value": "42", "omp": "3",
+                         "args": (7,), "kwargs": {"label": "x"}}
+    assert "LABKIT_TEST_VALUE" not in os.environ, "the controller's own environment is untouched"
+
+
+def report_env(*args, **kwargs):
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(),
+            # torch reads it once, when torch.distributed is imported: env must be set by then
+            "debug": dist.get_debug_level().name,
+            "value": os.environ.get("LABKIT_TEST_VALUE"), "omp": os.environ["OMP_NUM_THREADS"],
+            "args": args, "kwargs": kwargs}
+
+
+def test_worker_env_puts_env_over_the_controllers_but_keeps_labkits_own(monkeypatch):
+    from labkit.launcher import _worker_env
+
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    env = _worker_env(2, 0, {"NCCL_DEBUG": "INFO", "LABKIT_CONTROLLER_PID": "1"})
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["LABKIT_CONTROLLER_PID"] == str(os.getpid()), "the watchdog must find this process"
+    assert _worker_env(2, 0)["NCCL_DEBUG"] == "WARN"
+
+
+@pytest.mark.parametrize("env, match", [
+    ([("NCCL_DEBUG", "INFO")], r"env must be a dict of variable names to values, got list: "
+                               r"e\.g\. env=\{'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'\}"),
+    ({1: "x"}, r"env: 1 is not a valid variable name: use a non-empty string without '='"),
+    ({"": "x"}, r"env: '' is not a valid variable name"),
+    ({"A=B": "x"}, r"env: 'A=B' is not a valid variable name"),
+    ({"TORCH_NCCL_TRACE_BUFFER_SIZE": 2000},
+     r"env\['TORCH_NCCL_TRACE_BUFFER_SIZE'\] is int 2000, but environment values are strings: "
+     r"write 'TORCH_NCCL_TRACE_BUFFER_SIZE': '2000'"),
+    ({"X": None}, r"env\['X'\] is NoneType None"),
+    ({"X": "a\0b"}, r"env\['X'\] contains a NUL character"),
+])
+def test_bad_env_is_refused_before_anything_starts(env, match):
+    with pytest.raises(ValueError, match=match):
+        launch(rank_times, 1, nproc=1, env=env)
