@@ -168,7 +168,13 @@ def _init_torch(job: dict, device):
     kwargs = {}
     if job["backend"] == "nccl" and device is not None:
         kwargs["device_id"] = device  # eager NCCL init: a bad setup fails here, not mid-step
-    dist.init_process_group(job["backend"], **kwargs)
+    # torchrun keeps one store for all attempts of a run (launch(max_restarts=...)), and a
+    # dead attempt's keys stay in it: the new ranks could read the old ranks' addresses and
+    # fail to connect. A prefix per attempt gives each attempt a clean namespace.
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(job["backend"], store=dist.PrefixStore(f"labkit/attempt-{attempt}", store),
+                            rank=rank, world_size=world_size, **kwargs)
     return dist
 
 

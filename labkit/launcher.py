@@ -96,6 +96,7 @@ def launch(
     show_ranks=None,
     keep_run_dir: bool = False,
     env: dict | None = None,
+    max_restarts: int = 0,
     **kwargs,
 ) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` workers with the process group ready.
@@ -121,6 +122,11 @@ def launch(
 
         >>> labkit.launch(total, 10, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
 
+    ``max_restarts=N`` lets torchrun restart all workers up to N times when one dies (its
+    elastic agent); ``fn`` must then resume by itself, from a checkpoint (see
+    ``labkit.elastic``). The run succeeds if an attempt finishes; the failures it survived
+    are printed.
+
     The launcher's own keywords (``nproc``, ``timeout``, ``env``, ...) are not passed on to
     ``fn``; every other keyword argument is.
 
@@ -131,14 +137,18 @@ def launch(
     job, gpus = _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node_rank,
                           rdzv_endpoint)
     extra_env = _check_env(env)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a whole number >= 0 (0: a failure ends the run), "
+                         f"got {max_restarts!r}")
     run_dir = Path(tempfile.mkdtemp(prefix="labkit-run-"))  # mkdtemp makes it 0700
     try:
         _write_job(run_dir, job, fn, args, kwargs)
-        command = _torchrun_command(run_dir, nproc, nnodes, node_rank, rdzv_endpoint)
+        command = _torchrun_command(run_dir, nproc, nnodes, node_rank, rdzv_endpoint,
+                                    max_restarts)
         if nnodes > 1:
             _print_other_nodes(fn, nproc, nnodes, node_rank, rdzv_endpoint)
         run = _start(run_dir, command, _worker_env(nproc, gpus, extra_env))
-        return _supervise(run, job, nproc, timeout, show_ranks, command)
+        return _supervise(run, job, nproc, timeout, show_ranks, command, max_restarts)
     finally:
         if keep_run_dir:
             print(f"[labkit] run folder kept: {run_dir}")
@@ -293,7 +303,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
-                      rdzv_endpoint: str | None) -> list[str]:
+                      rdzv_endpoint: str | None, max_restarts: int = 0) -> list[str]:
     """The torchrun command line; --standalone picks a free rendezvous port on one node."""
     if nnodes == 1 and not rdzv_endpoint:
         where = ["--standalone"]
@@ -302,7 +312,8 @@ def _torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
                  "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "labkit"]
     return [
         sys.executable, "-c", _AGENT_BOOT, str(os.getpid()),
-        *where, "--nproc-per-node", str(nproc), "--max-restarts", "0", "--monitor-interval", "0.1",
+        *where, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+        "--monitor-interval", "0.1",
         # torchrun's own log folder goes inside the run folder: by default it leaves a
         # torchelastic_* folder in /tmp behind on every run.
         "--log-dir", str(run_dir / "torchelastic"),
@@ -360,7 +371,8 @@ def _start(run_dir: Path, command: list[str], env: dict) -> _Run:
     return _Run(run_dir, proc, lines, {}, reader)
 
 
-def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -> LaunchResult:
+def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command,
+               max_restarts: int = 0) -> LaunchResult:
     """Stream output, watch for failure and timeout, and always leave no process behind."""
     __tracebackhide__ = True
     show = None if show_ranks is None else (
@@ -370,6 +382,7 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
               "(all lines are in result.logs)")
     logs: dict[int, list[str]] = {}
     agent_log: list[str] = []
+    dead: list[int] = []  # ranks gone without a word, seen when the first error appeared
     start = time.monotonic()
     last_output = start
     try:
@@ -385,8 +398,10 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
                 last_output = time.monotonic()
                 _route(line, logs, agent_log, show)
             _track(run)
-            if run.proc.poll() is None and any(run.run_dir.glob("error-*.pkl")):
+            if not max_restarts and run.proc.poll() is None and any(run.run_dir.glob("error-*.pkl")):
                 # Stop the peers now rather than after torchrun's own (up to 30 s) shutdown.
+                # Not when restarts are allowed: then torchrun restarts the group itself.
+                dead = _silently_dead(run.run_dir)
                 _stop(run)
             elapsed = time.monotonic() - start
             if timeout is not None and elapsed > timeout and run.proc.poll() is None:
@@ -398,8 +413,10 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command) -
         run.proc.wait()
         seconds = time.monotonic() - start
         error = _first_error(run.run_dir)
-        if error is not None or run.proc.returncode != 0:
-            raise _failure(error, run.proc.returncode, agent_log, logs)
+        if max_restarts and run.proc.returncode == 0:
+            _report_restarts(run.run_dir)
+        elif error is not None or run.proc.returncode != 0:
+            raise _failure(error, run.proc.returncode, agent_log, logs, dead)
         values = _collect(run.run_dir)
         return LaunchResult(values, seconds, logs, nproc, job["backend"], command, agent_log)
     except KeyboardInterrupt:
@@ -531,6 +548,22 @@ def _clean_stack(dump: str) -> str:
     return "\n\n".join(keep)
 
 
+def _report_restarts(run_dir: Path) -> None:
+    """After a run that finished under max_restarts: say which failures it came through."""
+    import cloudpickle
+
+    # torchrun logs each attempt of the worker group into its own attempt_N folder.
+    restarts = len(list(run_dir.glob("torchelastic/*/attempt_*"))) - 1
+    errors = sorted((cloudpickle.loads(f.read_bytes()) for f in run_dir.glob("error-*.pkl")),
+                    key=lambda e: e["time"])
+    if restarts > 0 or errors:
+        said = "; ".join(f"rank {e['rank']} raised {e['type']}: {e['message'][:200]}"
+                         for e in errors) or "no rank raised a Python exception"
+        print(f"[labkit] torchrun restarted the workers {restarts} time(s), then the run "
+              f"finished. Before that: {said}. (A rank that was killed leaves no exception; "
+              f"its peers then report a lost connection.)")
+
+
 def _first_error(run_dir: Path) -> dict | None:
     import cloudpickle
 
@@ -540,7 +573,29 @@ def _first_error(run_dir: Path) -> dict | None:
     return min(errors, key=lambda e: e["time"]) if errors else None
 
 
-def _failure(error: dict | None, returncode: int, agent_log: list, logs: dict) -> LaunchError:
+def _silently_dead(run_dir: Path) -> list[int]:
+    """Ranks whose process is gone without a result or an error: killed, or a native crash."""
+    import psutil
+
+    def gone(pid):
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
+    return sorted(r for r, pid in _rank_pids(run_dir).items()
+                  if not any((run_dir / f"{kind}-{r}.pkl").exists() for kind in ("result", "error"))
+                  and gone(pid))
+
+
+def _failure(error: dict | None, returncode: int, agent_log: list, logs: dict,
+             dead: list[int] = ()) -> LaunchError:
+    if error is not None and dead:
+        # The peers of a killed rank fail with "connection reset": a consequence, not the cause.
+        return LaunchError(
+            f"rank {dead[0]} died without a Python exception (killed by a signal: out of memory, "
+            f"a `kill`, or a crash in native code; see dmesg). Then rank {error['rank']} failed "
+            f"with {error['type']}: {error['message']}", rank=dead[0], logs=logs)
     if error is not None:
         return LaunchError(
             f"rank {error['rank']} failed with {error['type']}: {error['message']}\n\n"
