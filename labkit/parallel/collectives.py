@@ -35,6 +35,11 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group)
         work.wait()
 
 
+def _peer(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group``: point-to-point ops address global ranks."""
+    return dist.get_global_rank(group or dist.group.WORLD, group_rank)
+
+
 def _check(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"all-reduce works on a tensor, got {type(x).__name__}")
@@ -60,8 +65,7 @@ def ring_allreduce(x: torch.Tensor, group=None) -> torch.Tensor:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return x
-    right = dist.get_global_rank(group or dist.group.WORLD, (rank + 1) % n)
-    left = dist.get_global_rank(group or dist.group.WORLD, (rank - 1) % n)
+    right, left = _peer(group, (rank + 1) % n), _peer(group, (rank - 1) % n)
     chunks = list(x.view(-1).tensor_split(n))  # views into x: work in place, sizes may differ by 1
     incoming = torch.empty_like(chunks[0])
     # Reduce-scatter: at step k send chunk rank - k (which holds k + 1 ranks' sum by now) and
@@ -101,7 +105,7 @@ def recursive_doubling_allreduce(x: torch.Tensor, group=None) -> torch.Tensor:
     incoming = torch.empty_like(x)
     mask = 1
     while mask < n:
-        partner = dist.get_global_rank(group or dist.group.WORLD, rank ^ mask)
+        partner = _peer(group, rank ^ mask)
         _exchange(x, partner, incoming, partner, group)
         x += incoming
         mask <<= 1

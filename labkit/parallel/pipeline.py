@@ -689,7 +689,7 @@ def bubble_sweep(stage_module_fn, ms, batch, *, schedules=("gpipe", "1f1b"), ste
                          "formula": bubble_formula(stages, m),
                          "uneven_stages": model["stages"], "with_messages": model["messages"],
                          "message_s": model["message_s"],
-                         "measured": statistics.median(bubbles), "measured_steps": bubbles,
+                         "measured": model["measured"], "measured_steps": bubbles,
                          "step_s": statistics.median(spans)})
     return rows
 
