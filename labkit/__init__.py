@@ -24,7 +24,7 @@ _LAZY = {
 }
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check", "ddp",
-                 "perf", "diagnose", "elastic")
+                 "perf", "diagnose", "elastic", "resources", "slurm")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
            "live_training_curves", "scaling_plot", "large_batch_plot", "pipeline_timeline",
-           "bubble_plot", "staleness_plot", "bytes_accuracy_plot", "tuning_plot"]
+           "bubble_plot", "staleness_plot", "bytes_accuracy_plot", "tuning_plot", "memory_plot"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -701,5 +701,40 @@ def tuning_plot(rows: list[dict], ax=None):
     ax.set_xlabel("gain over the baseline (x, log scale; > 1 is better)")
     ax.set_title("performance tuning: each technique against its own baseline")
     ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def memory_plot(rows: list[dict], budget: float, ax=None):
+    """Training memory against the batch: the estimate's line, the measured peaks, the budget.
+
+    ``rows`` have ``batch``, ``estimate`` and ``peak`` (bytes; ``peak`` may be None where not
+    measured). Returns the Figure.
+
+    Example::
+
+        >>> fig = memory_plot([{"batch": 64, "estimate": 1.6e8, "peak": 1.9e8}], budget=2.5e8)
+    """
+    from matplotlib import pyplot as plt
+
+    advice = "pass rows of {'batch', 'estimate', 'peak'} in bytes, one per batch size"
+    if not rows:
+        raise ValueError(f"no rows to plot: {advice}")
+    _check_rows(rows, ["batch", "estimate", "peak"], "rows", advice)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+    else:
+        fig = ax.figure
+    rows = sorted(rows, key=lambda r: r["batch"])
+    ax.plot([r["batch"] for r in rows], [r["estimate"] / 2**20 for r in rows], "-",
+            label="estimate: params + grads + optimizer + activations")
+    measured = [r for r in rows if r["peak"] is not None]
+    ax.plot([r["batch"] for r in measured], [r["peak"] / 2**20 for r in measured], "o",
+            label="measured peak")
+    ax.axhline(budget / 2**20, color="k", linestyle="--", linewidth=1, label="budget")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("MiB per device")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -105,6 +105,23 @@ def test_bytes_accuracy_plot_labels_each_point_on_a_log_axis():
         bytes_accuracy_plot([{k: v for k, v in rows[0].items() if k != "label"}])
 
 
+def test_memory_plot_draws_the_estimate_the_measured_peaks_and_the_budget_in_mib():
+    from labkit.plots import memory_plot
+
+    mib = 2**20
+    rows = [{"batch": 128, "estimate": 60 * mib, "peak": 59 * mib},
+            {"batch": 32, "estimate": 40 * mib, "peak": None}]  # not measured: no point
+    (ax,) = memory_plot(rows, budget=64 * mib).axes
+    estimate, measured, budget = ax.get_lines()
+    assert estimate.get_xydata().tolist() == [[32, 40], [128, 60]]  # sorted by batch
+    assert measured.get_xydata().tolist() == [[128, 59]]
+    assert list(budget.get_ydata()) == [64, 64]
+    with pytest.raises(ValueError, match="no rows to plot"):
+        memory_plot([], budget=1)
+    with pytest.raises(ValueError, match=r"rows lack \['peak'\]: pass rows of"):
+        memory_plot([{"batch": 1, "estimate": 1}], budget=1)
+
+
 # ---------------------------------------------------------------------------- augmentation
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from labkit.bench import _device
 
 __all__ = ["STRATEGIES", "BYTES_PER_PARAM", "estimate_memory", "block_stack", "fsdp_memory",
-           "forward_blocks", "activation_memory"]
+           "forward_blocks", "saved_bytes", "activation_memory"]
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "pp")
 
@@ -250,6 +250,30 @@ def forward_blocks(model: nn.Sequential, x, *, checkpoint: bool = False):
     return x
 
 
+def saved_bytes(forward, x, *, exclude=()) -> int:
+    """Bytes autograd saves for backward in ``forward(x)``, once per storage (views share one).
+
+    Tensors in ``exclude`` (a model's parameters: held anyway) are left out. Example::
+
+        >>> model = block_stack(4, 64)
+        >>> saved_bytes(model, torch.randn(32, 64), exclude=model.parameters())
+        294912
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(x)
+    del out  # frees the graph and the saved tensors
+    return sum(saved.values())
+
+
 def activation_memory(model_fn, x, *, checkpoint: bool = False, repeats: int = 3) -> dict:
     """Bytes saved for backward by one forward, and seconds of forward + backward.
 
@@ -273,18 +297,8 @@ def activation_memory(model_fn, x, *, checkpoint: bool = False, repeats: int = 3
                          f"got {type(model).__name__}")
     model = model.to(x.device)
     _whole("repeats", repeats)
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward_blocks(model, x, checkpoint=checkpoint)
-    del out  # frees the graph and the saved tensors
+    saved = saved_bytes(lambda batch: forward_blocks(model, batch, checkpoint=checkpoint), x,
+                        exclude=model.parameters())
 
     sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     times = []
@@ -295,5 +309,5 @@ def activation_memory(model_fn, x, *, checkpoint: bool = False, repeats: int = 3
         forward_blocks(model, x, checkpoint=checkpoint).square().mean().backward()
         sync()
         times.append(time.perf_counter() - start)
-    return {"saved_bytes": sum(saved.values()), "seconds": statistics.median(times[1:]),
+    return {"saved_bytes": saved, "seconds": statistics.median(times[1:]),
             "checkpoint": checkpoint}
