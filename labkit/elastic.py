@@ -94,6 +94,7 @@ def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.nn.utils import parameters_to_vector
 
+    from .bench import _device
     from .ddp import save_on_rank0
 
     if steps < 1 or ckpt_every < 1:
@@ -101,12 +102,13 @@ def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every
                          f"ckpt_every={ckpt_every}")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    model = DDP(make_model())
+    device = _device()  # the rank's GPU under NCCL, which cannot reduce CPU tensors
+    model = DDP(make_model().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # state that must be saved
     resumed_from, done = None, 0
     path = latest_checkpoint(folder)
     if path is not None:
-        state = torch.load(path, map_location="cpu")
+        state = torch.load(path, map_location=device)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         resumed_from = done = state["step"]
@@ -117,12 +119,12 @@ def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every
             os.kill(os.getpid(), signal.SIGKILL)
         idx = step_batch(len(x), step - 1, batch, rank, world, seed)
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        F.cross_entropy(model(x[idx].to(device)), y[idx].to(device)).backward()
         opt.step()
         steps_run.append(step)
         if step % ckpt_every == 0 or step == steps:
             save_on_rank0({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
                            "step": step}, Path(folder) / f"{_PREFIX}{step:06d}.pt")
-    return {"rank": rank, "weights": parameters_to_vector(model.parameters()).detach(),
+    return {"rank": rank, "weights": parameters_to_vector(model.parameters()).detach().cpu(),
             "resumed_from": resumed_from, "steps_run": steps_run,
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
