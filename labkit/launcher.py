@@ -619,13 +619,19 @@ def _collect(run_dir: Path) -> list:
 def _print_other_nodes(fn, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str) -> None:
     """Tell the learner what every other node must run to join this rendezvous."""
     others = [r for r in range(nnodes) if r != node_rank]
-    print(f"[labkit] node {node_rank} of {nnodes} joins the rendezvous at {rdzv_endpoint}. "
-          f"On node(s) {', '.join(map(str, others))} run the same call with node_rank=<that node>, or:")
+    lines = [f"[labkit] node {node_rank} of {nnodes} joins the rendezvous at {rdzv_endpoint}. "
+             f"On node(s) {', '.join(map(str, others))} run the same call with "
+             "node_rank=<that node>, or:"]
     target = str(fn) if isinstance(fn, str | os.PathLike) else "your_script.py"
     for r in others:
-        print("  " + shlex.join(["torchrun", "--nnodes", str(nnodes), "--node-rank", str(r),
-                                 "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                                 "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "labkit", target]))
+        lines.append("  " + shlex.join(["torchrun", "--nnodes", str(nnodes), "--node-rank", str(r),
+                                        "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                                        "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "labkit",
+                                        target]))
+    # One write: agents of several nodes started from one process (launch_together) would
+    # otherwise interleave their lines.
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 def stray_workers() -> list[str]:
