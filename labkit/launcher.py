@@ -9,6 +9,7 @@ with cloudpickle, so functions, classes and closures defined in notebook cells w
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import queue
 import shlex
@@ -266,6 +267,15 @@ def _dumps_with_sources(job: dict) -> bytes:
     class Pickler(cloudpickle.Pickler):
         dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table,
                                   copyreg.dispatch_table)
+
+        def reducer_override(self, obj):
+            # torch.classes and torch.ops are instances of ModuleType subclasses, which
+            # cloudpickle does not take for modules: a function using `torch` and any attribute
+            # named `classes` (ds.classes) would fail to pickle. Send them by name, as modules.
+            if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                    and sys.modules.get(getattr(obj, "__name__", None)) is obj):
+                return importlib.import_module, (obj.__name__,)
+            return super().reducer_override(obj)
 
     buffer = io.BytesIO()
     Pickler(buffer).dump(job)

@@ -471,6 +471,23 @@ def test_unpicklable_function_is_named():
         launch(uses_lock, nproc=1)
 
 
+def test_a_function_reading_an_attribute_named_classes_is_shipped():
+    # cloudpickle takes `ds.classes` in a function that uses torch for torch.classes, a
+    # ModuleType subclass it cannot pickle; the launcher sends such modules by name.
+    import pickle
+
+    import torch
+
+    from labkit.launcher import _dumps_with_sources
+
+    def count(ds):
+        return torch.zeros(len(ds.classes)).numel()
+
+    outer = pickle.loads(_dumps_with_sources({"fn": count, "sys_path": []}))
+    fn = pickle.loads(outer["job"])["fn"]
+    assert fn(type("Dataset", (), {"classes": ["cat", "dog", "bird"]})) == 3
+
+
 def test_missing_script():
     with pytest.raises(FileNotFoundError, match="no script at 'nope.py'.*%%writefile"):
         launch("nope.py", nproc=1)
