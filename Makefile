@@ -53,7 +53,8 @@ ifeq ($(NOTEBOOKS),)
 	@echo ">> no notebooks yet"
 else
 	LABKIT_PROFILE=smoke $(SINGLE_THREAD) $(PY) -m pytest -p tests.notebook_budget \
-		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS)
+		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS) \
+		$(sort $(wildcard solutions/*.ipynb))
 endif
 
 bench: install

@@ -1,0 +1,198 @@
+"""labkit.check.capstone: the grader passes the reference solution and fails each known mistake.
+
+The solution and its mistakes live in solutions/capstone_solution.py. The runs here are tiny
+(200 training images, two epochs, a narrow network, two ranks): they prove the grader's
+verdicts, not the network's accuracy, so the accuracy target is set low.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import check
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "solutions"))
+import capstone_solution as solution  # noqa: E402
+
+TINY = {"epochs": 2, "train_per_class": 20, "base_batch": 16}
+TARGET = 0.3  # chance is 0.1; two epochs on 200 images reach about 0.6
+BUDGET = 240.0
+
+
+@pytest.fixture
+def task(tmp_path):
+    return check.capstone_task(**TINY, checkpoint=tmp_path / "ckpt.pt")
+
+
+def grade(fn, task, nproc=2):
+    return check.capstone(functools.partial(fn, width=4), task, nproc=nproc, target=TARGET,
+                          time_budget=BUDGET)
+
+
+# ---- bad input is an error that says what to do (no worker starts) ----------------------------
+
+
+def test_bad_input_is_an_error_that_says_what_to_do(task):
+    with pytest.raises(TypeError, match="pass your per-worker training function"):
+        check.capstone("train_ddp", task)
+    with pytest.raises(TypeError, match="capstone_task"):
+        check.capstone(solution.train_ddp, {"epochs": 2})
+    for nproc in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="nproc must be a whole number"):
+            check.capstone(solution.train_ddp, task, nproc=nproc)
+    with pytest.raises(ValueError, match="target is an accuracy"):
+        check.capstone(solution.train_ddp, task, target=90)
+    with pytest.raises(ValueError, match="time_budget"):
+        check.capstone(solution.train_ddp, task, time_budget=0)
+    with pytest.raises(ValueError, match="epochs must be a whole number >= 2"):
+        check.capstone_task(epochs=1)
+
+
+def test_the_task_keeps_the_held_out_split_apart(task):
+    from labkit import data
+
+    train, val, held_out = check._capstone_splits(task.image_size, None)
+    seen = {data.fingerprint(s[i:i + 1]) for s in (train, val) for i in range(len(s))}
+    assert not any(data.fingerprint(held_out[i:i + 1]) in seen for i in range(len(held_out)))
+    assert len(train) + len(val) + len(held_out) == 1797
+    assert len(task.train) == 200 and len(task.val) == len(val)
+    images = [v for v in vars(task).values() if isinstance(v, data.ImageSet)]
+    assert images == [task.train, task.val], "the task must carry no other images"
+
+
+
+# ---- the criteria, on recorded runs (no worker starts) -----------------------------------------
+
+
+def records(rank=0, **changes):
+    rec = {"rank": rank, "world_size": 2, "returned": "dict", "param_hash": "a",
+           "param_sums": [1.0], "val_acc": 0.9, "ddp_wrapped": 1, "train_samples": 400,
+           "eval_samples": 100, "seconds": 1.0, "gpu_augment": 0, "batch_hashes": [f"r{rank}"],
+           "eval_hashes": set(),
+           "transforms": [{"size": 200, "steps": ["RandomAffine", "ToDtype"]}],
+           "sampler_passes": [{"id": 1, "epoch": e, "size": 200, "shuffle": True}
+                              for e in range(3)],
+           "steps": [{"lr": lr, "batch": 16} for lr in (0.025, 0.05, 0.1, 0.1)]}
+    rec.update(changes)
+    return rec
+
+
+def test_set_epoch_is_read_from_the_sampler_passes(task):
+    assert check._crit_set_epoch(records(), task)
+    stuck = records(sampler_passes=[{"id": 1, "epoch": 0, "size": 200, "shuffle": True}] * 3)
+    verdict = check._crit_set_epoch(stuck, task)
+    assert not verdict and "[0, 0, 0]" in verdict.detail and "set_epoch(epoch)" in verdict.hint
+    verdict = check._crit_set_epoch(records(sampler_passes=[]), task)
+    assert not verdict and "no DistributedSampler" in verdict.detail
+
+
+def test_lr_must_be_scaled_with_the_global_batch_and_warmed_up(task):
+    base = task.base_lr  # 0.05 for base_batch 16; two workers x 16 -> 0.1
+    assert check._crit_lr(records()["steps"], task, 2)
+    unscaled = [{"lr": lr, "batch": 16} for lr in (0.01, 0.03, base, base)]
+    verdict = check._crit_lr(unscaled, task, 2)
+    assert not verdict and "unscaled" in verdict.detail and "linear_scaled_lr" in verdict.hint
+    cold = [{"lr": 0.1, "batch": 16}] * 4
+    verdict = check._crit_lr(cold, task, 2)
+    assert not verdict and "no warm-up" in verdict.detail
+    # Keeping the global batch (8 per worker) needs no scaling: the rule is the batch ratio.
+    assert check._crit_lr([{"lr": lr, "batch": 8} for lr in (0.01, base)], task, 2)
+    # A task that asks for no warm-up does not get one demanded.
+    assert check._crit_lr(cold, dataclasses.replace(task, warmup_epochs=0), 2)
+
+
+def test_replicas_that_differ_fail_the_workers_criterion():
+    assert check._crit_workers([records(), records(rank=1)])
+    verdict = check._crit_workers([records(ddp_wrapped=0),
+                                   records(rank=1, param_hash="b", param_sums=[2.0], ddp_wrapped=0)])
+    assert not verdict and "not averaged" in verdict.detail and "DistributedDataParallel" in verdict.hint
+    assert not check._crit_workers([records(world_size=1)])
+    same = check._crit_workers([records(batch_hashes=["x"]), records(rank=1, batch_hashes=["x"])])
+    assert not same and "the same batches" in same.detail
+
+
+def test_no_random_transform_fails_augmentation(task):
+    assert check._crit_augmentation([records()], task)
+    plain = records(transforms=[{"size": 200, "steps": ["Resize", "ToDtype", "Normalize"]}])
+    assert not check._crit_augmentation([plain], task)
+    assert check._crit_augmentation([records(transforms=[], gpu_augment=3)], task)
+
+
+def test_a_function_that_returns_nothing_is_told_what_to_return(task, capsys):
+    verdict = check._grade([records(returned="NoneType", val_acc=None)], task, "ada", {})
+    assert not verdict and verdict.failed == ["runs"] and "return {" in verdict.criteria[0].hint
+
+
+# ---- real runs: the solution passes, each known mistake fails for its reason -------------------
+
+
+@pytest.mark.slow
+def test_the_solution_passes_with_a_certificate(task, capsys):
+    verdict = grade(solution.train_ddp, task)
+    out = capsys.readouterr().out
+    assert verdict, out
+    assert [c.exercise for c in verdict.criteria] == list(check.CAPSTONE_CRITERIA)
+    assert "certificate of completion" in out and "all 9 criteria met" in out
+    f = verdict.figures
+    assert f["world_size"] == 2 and f["global_batch"] == 32 and f["peak_lr"] == pytest.approx(0.1)
+    assert abs(f["reported_val_acc"] - f["val_acc"]) < 0.01 and f["held_out_acc"] >= TARGET
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, criterion, said, also", [
+    ("no set_epoch", "set_epoch", "replayed the same shuffled order", set()),
+    ("no lr scaling", "lr scaling", "unscaled", set()),
+    ("evaluated on the training split", "honest validation", "measured on the training split", set()),
+    # Ranks that trained apart hold different models: no one model has the reported accuracy.
+    ("not distributed", "N workers", "gradients were not averaged", {"honest validation"}),
+])
+def test_each_known_mistake_fails_its_criterion(task, capsys, mistake, criterion, said, also):
+    verdict = grade(solution.MISTAKES[mistake], task)
+    out = capsys.readouterr().out
+    assert not verdict and criterion in verdict.failed, out
+    # Nothing else fails, but the mistake's consequences (a tiny run's accuracy may, too).
+    assert set(verdict.failed) <= {criterion, "accuracy", *also}, out
+    failed = next(c for c in verdict.criteria if c.exercise == criterion)
+    assert said in failed.detail and failed.hint, out
+    assert "[not yet] capstone" in out and "certificate" not in out
+
+
+@pytest.mark.slow
+def test_a_single_process_fails_the_workers_criterion(task):
+    verdict = grade(solution.train_ddp, task, nproc=1)
+    assert not verdict and "N workers" in verdict.failed
+    assert "nproc=2" in next(c for c in verdict.criteria if c.exercise == "N workers").hint
+
+
+def test_a_function_that_raises_or_hangs_is_a_verdict_not_an_exception(task, monkeypatch):
+    from labkit import launcher
+
+    def raising(*args, **kwargs):
+        raise launcher.LaunchError("rank 1 failed with RuntimeError: forgot something", rank=1)
+
+    monkeypatch.setattr(launcher, "launch", raising)
+    verdict = check.capstone(solution.train_ddp, task, time_budget=BUDGET)
+    assert not verdict and verdict.failed == ["runs"]
+    assert "rank 1 raised" in verdict.criteria[0].detail
+    assert "forgot something" in verdict.criteria[0].detail
+
+    def hanging(*args, **kwargs):
+        raise launcher.LaunchTimeout("stuck", stuck=[0], stacks={0: "..."})
+
+    monkeypatch.setattr(launcher, "launch", hanging)
+    verdict = check.capstone(solution.train_ddp, task, time_budget=BUDGET)
+    assert not verdict and "stuck rank(s): [0]" in verdict.criteria[0].detail
+
+
+def test_solution_notebooks_are_stripped():
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        assert not any(c.get("outputs") or c.get("execution_count") for c in nb.cells
+                       if c.cell_type == "code"), f"{path.name} has outputs: run nbstripout"
