@@ -6,7 +6,8 @@ Notebook 07's questions, one function each:
   gradients, optimizer state, activations), and :func:`largest_batch`, the largest batch for
   which a test passes: run it on the estimate, then on :func:`peak_memory`, the measurement.
 - :func:`matmul_throughput`: matrix-multiply throughput with this process's share of the
-  machine (its threads, its GPUs), timed in a window that concurrent jobs enter together.
+  machine (its threads, its GPUs), timed in a window that concurrent jobs enter together;
+  :func:`thread_env`, the environment that sets that thread share.
 - :func:`gpu_partitions` and :func:`launch_together`: split the GPUs between jobs with
   ``CUDA_VISIBLE_DEVICES`` and run several launches at once (jobs sharing a machine, or the
   agents of a multi-node run on one host).
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ["MEASURE_ENV", "training_memory", "largest_batch", "peak_memory", "matmul_throughput",
-           "gpu_partitions", "launch_together"]
+           "thread_env", "gpu_partitions", "launch_together"]
 
 # glibc serves large allocations with mmap, but raises that threshold after each free, after
 # which freed tensors stay in its heap and the process's resident size stops following them.
@@ -210,6 +211,22 @@ def matmul_throughput(seconds: float, *, device: str = "cpu", size: int = 256,
     wall = time.perf_counter() - start
     return {"gflops": products * 2 * size**3 / wall / 1e9, "threads": torch.get_num_threads(),
             "cpu_seconds": time.process_time() - cpu0, "seconds": wall}
+
+
+def thread_env(threads: int) -> dict:
+    """Environment that gives a process ``threads`` math threads, whichever library does the math.
+
+    ``OMP_NUM_THREADS`` alone is not enough where ``MKL_NUM_THREADS`` is also set (as ``make
+    test`` does): MKL, which runs PyTorch's CPU matrix products, reads its own variable first.
+
+    Example::
+
+        >>> labkit.launch(train, nproc=2, env=thread_env(4))
+    """
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a whole number >= 1, got {threads!r}")
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                             "OPENBLAS_NUM_THREADS")}
 
 
 def gpu_partitions(n_gpus: int, jobs: int) -> list[str]:

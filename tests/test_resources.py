@@ -134,6 +134,14 @@ def test_matmul_throughput_gives_up_when_the_other_jobs_never_come(tmp_path):
         resources.matmul_throughput(0.1, ready_dir=str(tmp_path), jobs=2, wait=0.2)
 
 
+def test_thread_env_sets_every_math_librarys_thread_count():
+    assert resources.thread_env(3) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3",
+                                       "OPENBLAS_NUM_THREADS": "3"}
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="threads must be a whole number >= 1"):
+            resources.thread_env(bad)
+
+
 def test_gpu_partitions_give_each_job_its_own_equal_share():
     assert resources.gpu_partitions(8, 2) == ["0,1,2,3", "4,5,6,7"]
     assert resources.gpu_partitions(4, 4) == ["0", "1", "2", "3"]
@@ -153,8 +161,8 @@ def test_launch_together_runs_each_with_its_own_keywords_and_keeps_their_order(t
     # Two matmul jobs with different thread budgets, timed in one window they enter together.
     runs = resources.launch_together(resources.matmul_throughput, 0.2, size=64, nproc=1,
                                       show_ranks=[], ready_dir=str(tmp_path), jobs=2,
-                                      runs=[{"env": {"OMP_NUM_THREADS": "2"}},
-                                            {"env": {"OMP_NUM_THREADS": "1"}}])
+                                      runs=[{"env": resources.thread_env(2)},
+                                            {"env": resources.thread_env(1)}])
     assert [r.values[0]["threads"] for r in runs] == [2, 1]
     assert all(r.values[0]["gflops"] > 0 and r.values[0]["seconds"] >= 0.2 for r in runs)
     assert len(list(tmp_path.glob("*.ready"))) == 2
