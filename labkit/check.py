@@ -429,13 +429,6 @@ def _certificate(a: Assessment) -> str:
     return "\n".join(body)
 
 
-def _nproc_error(nproc) -> str | None:
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        return (f"nproc must be a whole number of workers >= 1 (2 or more for data "
-                f"parallelism), got {nproc!r}: e.g. capstone(train_ddp, task, nproc=2)")
-    return None
-
-
 def capstone(train_fn, task: CapstoneTask, *, nproc: int = 2, target: float = 0.9,
              time_budget: float = 300.0, name: str | None = None,
              show_ranks=(0,)) -> Assessment:
@@ -483,8 +476,9 @@ def capstone(train_fn, task: CapstoneTask, *, nproc: int = 2, target: float = 0.
     if not isinstance(task, CapstoneTask):
         raise TypeError(f"task must come from labkit.check.capstone_task(...), got "
                         f"{type(task).__name__}")
-    if (problem := _nproc_error(nproc)) is not None:
-        raise ValueError(problem)
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a whole number of workers >= 1 (2 or more for data "
+                         f"parallelism), got {nproc!r}: e.g. capstone(train_ddp, task, nproc=2)")
     if not 0 < target <= 1:
         raise ValueError(f"target is an accuracy in (0, 1], got {target!r}")
     if not time_budget > 0:

@@ -422,9 +422,10 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command,
                 last_output = time.monotonic()
         run.proc.wait()
         seconds = time.monotonic() - start
-        error = _first_error(run.run_dir)
+        errors = _errors(run.run_dir)
+        error = errors[0] if errors else None
         if max_restarts and run.proc.returncode == 0:
-            _report_restarts(run.run_dir)
+            _report_restarts(run.run_dir, errors)
         elif error is not None or run.proc.returncode != 0:
             raise _failure(error, run.proc.returncode, agent_log, logs, dead)
         values = _collect(run.run_dir)
@@ -558,14 +559,10 @@ def _clean_stack(dump: str) -> str:
     return "\n\n".join(keep)
 
 
-def _report_restarts(run_dir: Path) -> None:
+def _report_restarts(run_dir: Path, errors: list[dict]) -> None:
     """After a run that finished under max_restarts: say which failures it came through."""
-    import cloudpickle
-
     # torchrun logs each attempt of the worker group into its own attempt_N folder.
     restarts = len(list(run_dir.glob("torchelastic/*/attempt_*"))) - 1
-    errors = sorted((cloudpickle.loads(f.read_bytes()) for f in run_dir.glob("error-*.pkl")),
-                    key=lambda e: e["time"])
     if restarts > 0 or errors:
         said = "; ".join(f"rank {e['rank']} raised {e['type']}: {e['message'][:200]}"
                          for e in errors) or "no rank raised a Python exception"
@@ -574,13 +571,12 @@ def _report_restarts(run_dir: Path) -> None:
               f"its peers then report a lost connection.)")
 
 
-def _first_error(run_dir: Path) -> dict | None:
+def _errors(run_dir: Path) -> list[dict]:
+    """Every rank's error record in the run folder, the earliest first."""
     import cloudpickle
 
-    errors = []
-    for f in run_dir.glob("error-*.pkl"):
-        errors.append(cloudpickle.loads(f.read_bytes()))
-    return min(errors, key=lambda e: e["time"]) if errors else None
+    return sorted((cloudpickle.loads(f.read_bytes()) for f in run_dir.glob("error-*.pkl")),
+                  key=lambda e: e["time"])
 
 
 def _silently_dead(run_dir: Path) -> list[int]:
