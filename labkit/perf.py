@@ -26,6 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import bench
+from ._sizes import divisors
+from .parallel.memory import counting_saved_bytes
 
 __all__ = ["AMP_MODES", "HOOKS", "compare_steps", "time_step", "grad_scaler_check",
            "loader_throughput", "loader_sweep", "accumulation_check", "powersgd_bytes", "comm_hook_sweep",
@@ -327,22 +329,6 @@ def loader_sweep(dataset, settings=((0, False), (2, False), (2, True)), *, repea
     return rows
 
 
-@contextlib.contextmanager
-def _saved_bytes(counter: dict):
-    """Add the bytes autograd keeps for backward (each storage once) to ``counter['bytes']``."""
-    seen = set()
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            counter["bytes"] += storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield counter
-
-
 def accumulation_check(model: nn.Module, batch, micro_batches: int) -> dict:
     """Gradient accumulation: k micro-batches give one big batch's gradients, in 1/k the memory.
 
@@ -362,19 +348,16 @@ def accumulation_check(model: nn.Module, batch, micro_batches: int) -> dict:
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_counts(micro_batches=(micro_batches, 1))
     if len(x) % micro_batches:
-        divisors = [d for d in range(2, len(x) + 1) if len(x) % d == 0][:4]
         raise ValueError(f"a batch of {len(x)} does not split into {micro_batches} equal "
                          f"micro-batches (unequal ones would weigh samples unequally): use a "
-                         f"divisor of {len(x)}, e.g. {divisors}")
+                         f"divisor of {len(x)}, e.g. {divisors(len(x), 5)[1:]}")
     whole, accumulated = copy.deepcopy(model).to(x.device), copy.deepcopy(model).to(x.device)
-    big = {"bytes": 0}
-    with _saved_bytes(big):
+    with counting_saved_bytes() as big:
         loss = nn.functional.cross_entropy(whole(x), y)
     loss.backward()
     micro = 0
     for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-        counter = {"bytes": 0}
-        with _saved_bytes(counter):
+        with counting_saved_bytes() as counter:
             loss = nn.functional.cross_entropy(accumulated(xs), ys) / micro_batches
         loss.backward()  # adds into .grad: that is the accumulation
         micro = max(micro, counter["bytes"])

@@ -223,3 +223,15 @@ def test_fsdp_memory_on_two_gpus_with_nccl():
     for v in values:
         assert v["sharded"]["total"] == zero3["total"]
         assert 0 < v["sharded"]["cuda_peak"] < v["unsharded"]["cuda_peak"]
+
+
+def test_counting_saved_bytes_counts_each_storage_once_and_leaves_out_what_is_excluded():
+    from labkit.parallel.memory import counting_saved_bytes
+
+    x = torch.randn(10, 10, requires_grad=True)
+    with counting_saved_bytes() as counter:
+        (x * x).sum()  # saves x twice: one storage
+    assert counter["bytes"] == x.numel() * 4
+    with counting_saved_bytes(exclude=[x]) as counter:
+        (x * x).sum()
+    assert counter["bytes"] == 0

@@ -14,6 +14,7 @@ All three return plain dicts of bytes and seconds; the notebook turns them into 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -24,7 +25,7 @@ from torch import nn
 from labkit.bench import _device
 
 __all__ = ["STRATEGIES", "BYTES_PER_PARAM", "estimate_memory", "block_stack", "fsdp_memory",
-           "forward_blocks", "saved_bytes", "activation_memory"]
+           "forward_blocks", "counting_saved_bytes", "saved_bytes", "activation_memory"]
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "pp")
 
@@ -250,6 +251,32 @@ def forward_blocks(model: nn.Sequential, x, *, checkpoint: bool = False):
     return x
 
 
+@contextlib.contextmanager
+def counting_saved_bytes(exclude=()):
+    """Count in the yielded dict's ``"bytes"`` what autograd saves for backward in the block.
+
+    Each storage counts once (views share one); tensors in ``exclude`` (a model's parameters:
+    held anyway) are left out. The graph stays alive, so backward can follow. Example::
+
+        >>> with counting_saved_bytes() as saved:
+        ...     loss = model(x).square().mean()
+        >>> loss.backward(); saved["bytes"]
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: set[int] = set()
+    counter = {"bytes": 0}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            counter["bytes"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counter
+
+
 def saved_bytes(forward, x, *, exclude=()) -> int:
     """Bytes autograd saves for backward in ``forward(x)``, once per storage (views share one).
 
@@ -259,19 +286,10 @@ def saved_bytes(forward, x, *, exclude=()) -> int:
         >>> saved_bytes(model, torch.randn(32, 64), exclude=model.parameters())
         294912
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with counting_saved_bytes(exclude) as counter:
         out = forward(x)
     del out  # frees the graph and the saved tensors
-    return sum(saved.values())
+    return counter["bytes"]
 
 
 def activation_memory(model_fn, x, *, checkpoint: bool = False, repeats: int = 3) -> dict:
