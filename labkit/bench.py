@@ -104,15 +104,15 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
     return {"alpha_s": alpha, "beta_s_per_byte": beta, "bandwidth_GBps": bandwidth}
 
 
-def _device():
-    """The tensor device collectives need: the rank's GPU under NCCL, else the CPU."""
+def _device(group=None):
+    """The tensor device collectives in ``group`` need: the rank's GPU under NCCL, else the CPU."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: run this inside a worker, "
                            "e.g. labkit.launch(check_allreduce, nproc=2)")
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -99,12 +99,14 @@ def _group_info(group=None) -> tuple[int, int]:
 
 
 def _collective_device(group=None):
-    """Where a small control tensor must live: NCCL reduces only CUDA tensors, gloo CPU ones."""
+    """Where a small control tensor must live (bench's rule), or the CPU without a process group."""
     import torch
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    from .bench import _device
+
+    if dist.is_available() and dist.is_initialized():
+        return _device(group)
     return torch.device("cpu")
 
 
