@@ -1,6 +1,21 @@
-"""Size suggestions for error messages: which counts divide a batch, a hidden size, a layer."""
+"""Counts and sizes: the one whole-number check, and divisor suggestions for error messages."""
 
 from __future__ import annotations
+
+import numbers
+
+
+def whole(value, name: str, *, low: int = 1, error: type[Exception] = ValueError,
+          hint: str = "") -> int:
+    """``value`` as an int if it is a whole number >= ``low``; else ``error`` naming ``name``.
+
+    ``True`` is refused although Python counts it as 1: a flag passed where a count belongs
+    is a mistake. NumPy integers are accepted. ``hint`` is appended to the message.
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or value < low):
+        raise error(f"{name} must be a whole number >= {low}, got {value!r}{hint}")
+    return int(value)
 
 
 def divisors(n: int, limit: int = 8, *, proper: bool = False) -> list[int]:

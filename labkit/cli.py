@@ -1,4 +1,5 @@
-"""``python -m labkit {lab,launch,bench,doctor,slurm}``: argument parsing only; the work lives in the modules."""
+"""``python -m labkit {lab,launch,bench,doctor,slurm}``: argument parsing only; the work lives
+in the modules."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("launch", help="run a script on N torchrun workers, like labkit.launch()")
     run.add_argument("-n", "--nproc", type=int, default=2, help="workers on this node")
     run.add_argument("--backend", default="auto", help="auto, gloo or nccl")
-    run.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped")
+    run.add_argument("--timeout", type=float, default=None,
+                     help="seconds before the run is stopped")
     run.add_argument("--rank", type=int, default=None, help="show only this rank's output")
     run.add_argument("--nnodes", type=int, default=1)
     run.add_argument("--node-rank", type=int, default=0)
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_launch)
 
-    slurm = sub.add_parser("slurm", help="write an sbatch script: srun + torchrun, one agent per node",
+    slurm = sub.add_parser("slurm",
+                           help="write an sbatch script: srun + torchrun, one agent per node",
                            description="Write an sbatch script that runs SCRIPT with torchrun on "
                            "every node of a Slurm job. labkit's options go before SCRIPT, the "
                            "script's own --options after `--`, e.g.: "

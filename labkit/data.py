@@ -29,11 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ._sizes import whole
+
 __all__ = [
     "ImageSet", "DataError", "DataUnavailable", "SHAPES", "PHOTOS", "IMAGE_EXTENSIONS",
     "TORCHVISION_SETS", "digits", "split", "take", "sample_photos", "shapes", "image_folder",
     "torchvision_dataset", "to_torch", "to_tensors", "to_float_tensors", "to_numpy_float",
-    "fingerprint", "catalog", "cache_dir",
+    "content_hash", "catalog", "cache_dir", "register_dataset_hook",
 ]
 
 _DATASETS = Path(__file__).resolve().parent.parent / "datasets"
@@ -124,15 +126,15 @@ class ImageSet:
         return f"ImageSet({len(self)} images {h}x{w}, {len(self.classes)} classes: {names})"
 
 
-def fingerprint(imageset: ImageSet) -> str:
+def content_hash(imageset: ImageSet) -> str:
     """The sha256 of an ImageSet's images, labels and class names: equal sets, equal strings.
 
-    The catalog stores the fingerprint of every generated set, so a test proves they are
+    The catalog stores the content hash of every generated set, so a test proves they are
     reproducible from their seed.
 
     Example::
 
-        >>> fingerprint(shapes(8)) == fingerprint(shapes(8))
+        >>> content_hash(shapes(8)) == content_hash(shapes(8))
         True
     """
     h = hashlib.sha256()
@@ -143,18 +145,11 @@ def fingerprint(imageset: ImageSet) -> str:
 
 
 def _check_size(image_size, minimum: int, what: str) -> int:
-    if isinstance(image_size, bool) or not isinstance(image_size, (int, np.integer)):
-        raise DataError(f"image_size must be an int (pixels per side), got {image_size!r}")
+    image_size = whole(image_size, "image_size", error=DataError, hint=" (pixels per side)")
     if image_size < minimum:
         raise DataError(f"image_size={image_size} is too small for {what}: use at least "
                         f"{minimum} (VGG16 needs 32 or more for its five poolings)")
-    return int(image_size)
-
-
-def _check_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise DataError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return image_size
 
 
 def _bilinear_matrix(n_in: int, n_out: int) -> np.ndarray:
@@ -361,7 +356,7 @@ def shapes(n: int, image_size: int = 32, seed: int = 0, classes=None) -> ImageSe
         ((500, 32, 32, 3), 100)
         >>> train, val = split(s, 0.2)
     """
-    n = _check_count(n, "n")
+    n = whole(n, "n", error=DataError)
     image_size = _check_size(image_size, 16, "shapes")
     names = list(SHAPES if classes is None else [classes] if isinstance(classes, str) else classes)
     unknown = [c for c in names if c not in SHAPES]
@@ -424,7 +419,7 @@ def take(imageset: ImageSet, n_per_class: int, seed: int = 0) -> ImageSet:
         >>> len(small), small.counts()["star"]
         (100, 20)
     """
-    n_per_class = _check_count(n_per_class, "n_per_class")
+    n_per_class = whole(n_per_class, "n_per_class", error=DataError)
     picked = []
     for k, order in enumerate(_by_class(imageset, seed)):
         if len(order) < n_per_class:
@@ -674,6 +669,8 @@ def _torch_dataset_class():
         def __init__(self, imageset: ImageSet, transform=None):
             self.imageset, self.transform = imageset, transform
             self.classes = imageset.classes
+            for hook in tuple(_DATASET_HOOKS.values()):
+                hook(self)
 
         def __len__(self):
             return len(self.imageset)
@@ -690,6 +687,31 @@ def _torch_dataset_class():
     TorchImageSet.__module__, TorchImageSet.__qualname__ = __name__, "TorchImageSet"
     globals()["TorchImageSet"] = TorchImageSet
     return TorchImageSet
+
+
+# handle id -> hook(dataset), see register_dataset_hook (torch's handles need an OrderedDict:
+# they keep a weak reference to it)
+_DATASET_HOOKS: collections.OrderedDict = collections.OrderedDict()
+
+
+def register_dataset_hook(hook):
+    """Call ``hook(dataset)`` on every torch dataset :func:`to_torch` builds from now on (its
+    ``imageset`` and ``transform`` set); returns a handle whose ``remove()`` ends it.
+
+    The capstone grader (``labkit.capstone``) uses it to see which transforms training used.
+
+    Example::
+
+        >>> handle = register_dataset_hook(lambda ds: print(len(ds), ds.transform))
+        >>> _ = to_torch(digits(8)[:5])
+        5 None
+        >>> handle.remove()
+    """
+    from torch.utils.hooks import RemovableHandle
+
+    handle = RemovableHandle(_DATASET_HOOKS)
+    _DATASET_HOOKS[handle.id] = hook
+    return handle
 
 
 def __getattr__(name: str):

@@ -31,6 +31,9 @@ import subprocess
 import sys
 import time
 
+from ._dist import collective_device
+from ._sizes import whole
+
 __all__ = [
     "DEBUG_ENV",
     "RECORDER_ENV",
@@ -61,7 +64,8 @@ __all__ = [
 # shapes and dtypes across ranks before each collective; INFO lets its C++ log lines through.
 DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_CPP_LOG_LEVEL": "INFO"}
 # The flight recorder: each rank keeps its last N collectives (gloo and NCCL), at no real cost.
-# (Older torch releases know only TORCH_NCCL_TRACE_BUFFER_SIZE, still accepted as a deprecated alias.)
+# (Older torch releases know only TORCH_NCCL_TRACE_BUFFER_SIZE, still accepted as a deprecated
+# alias.)
 RECORDER_ENV = {"TORCH_FR_BUFFER_SIZE": "2000"}
 
 
@@ -98,18 +102,6 @@ def _group_info(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _collective_device(group=None):
-    """Where a small control tensor must live (bench's rule), or the CPU without a process group."""
-    import torch
-    import torch.distributed as dist
-
-    from .bench import _device
-
-    if dist.is_available() and dist.is_initialized():
-        return _device(group)
-    return torch.device("cpu")
-
-
 def _as_tensor(value, what: str):
     """A tensor view of a tensor or a Python/NumPy number; a clear error for anything else."""
     import numbers
@@ -140,7 +132,7 @@ def _not_finite_ranks(value, group, what: str) -> list[int]:
 
     local_bad = not bool(torch.isfinite(_as_tensor(value, what)).all())
     rank, world = _group_info(group)
-    flags = torch.zeros(world, dtype=torch.int32, device=_collective_device(group))
+    flags = torch.zeros(world, dtype=torch.int32, device=collective_device(group, required=False))
     flags[rank] = int(local_bad)
     if world > 1:
         dist.all_reduce(flags, group=group)
@@ -192,7 +184,7 @@ def all_finite(value, *, group=None) -> bool:
 
 
 def check_same_shape(tensor, name: str = "tensor", *, group=None) -> None:
-    """Raise :class:`ShapeMismatchError` on every rank unless all ranks hold the same shape and dtype.
+    """Raise :class:`ShapeMismatchError` on every rank unless all ranks hold one shape and dtype.
 
     Collectives assume identical shapes and trust the caller: gloo fails with a message
     about byte counts, NCCL can hang or reduce garbage. Call this right before a suspicious
@@ -247,13 +239,12 @@ def common_steps(n: int, *, group=None) -> int:
     import torch
     import torch.distributed as dist
 
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"common_steps takes this rank's number of steps (a whole number >= 0, "
-                         f"e.g. len(loader)), got {n!r}")
+    n = whole(n, "n", low=0, hint=": common_steps takes this rank's number of steps "
+                                  "(e.g. len(loader))")
     _, world = _group_info(group)
     if world == 1:
         return n
-    t = torch.tensor([n], dtype=torch.int64, device=_collective_device(group))
+    t = torch.tensor([n], dtype=torch.int64, device=collective_device(group, required=False))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 
@@ -358,7 +349,7 @@ _FINGERPRINT = re.compile(
     r"Running collective: CollectiveFingerPrint\(SequenceNumber=(?P<seq>\d+),? ?"
     r"OpType=(?P<op>\w+)(?:, TensorShape=(?P<shape>\[[^\]]*\]))?(?:, TensorDtypes=(?P<dtype>\w+))?")
 # dump_flight_recorder() prints one line per entry:
-#   [flight recorder] #4 gloo:all_reduce [[4]] not completed at .../diagnose.py:512 in skipped_allreduce
+#   [flight recorder] #4 gloo:all_reduce [[4]] not completed at .../train.py:51 in step
 _RECORD = re.compile(r"\[flight recorder\] #(?P<seq>\d+) (?P<op>\S+) (?P<shape>\[.*?\]) "
                      r"(?P<state>completed|not completed)")
 LOG_SOURCES = ("detail", "flight recorder")
@@ -455,7 +446,8 @@ def flight_recorder(*, stacks: bool = False) -> list[dict]:
     import torch
 
     c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_nccl_trace", None) if _collective_device().type == "cuda" else None
+    cuda = collective_device(required=False).type == "cuda"
+    dump = getattr(c10d, "_dump_nccl_trace", None) if cuda else None
     dump = dump or getattr(c10d, "_dump_fr_trace", None)
     if dump is None:
         raise RuntimeError("this torch build has no flight recorder (torch >= 2.5 has one)")
@@ -477,7 +469,8 @@ def _user_frame(frames: list) -> str:
     """The first frame outside torch and labkit's shim: the line that issued the collective."""
     for f in frames:
         name = f.get("filename", "")
-        if "/torch/" not in name and not name.endswith("labkit/_worker.py") and "<frozen" not in name:
+        if ("/torch/" not in name and not name.endswith("labkit/_worker.py")
+                and "<frozen" not in name):
             return f"{name}:{f.get('line')} in {f.get('name')}"
     return "(no frame outside torch)"
 
@@ -597,7 +590,8 @@ def _probe_shm_support() -> tuple[bool, str, list[str] | None]:
             continue
         if out.returncode == 0:
             return True, f"a private tmpfs on /dev/shm via unshare {' '.join(way)}", [unshare, *way]
-        errors.append(f"unshare {' '.join(way)}: {(out.stderr.strip() or 'failed').splitlines()[-1]}")
+        reason = (out.stderr.strip() or "failed").splitlines()[-1]
+        errors.append(f"unshare {' '.join(way)}: {reason}")
     return False, ("cannot mount a private /dev/shm here (no CAP_SYS_ADMIN and no user "
                    "namespaces, as in a default Docker container): " + "; ".join(errors)), None
 
@@ -638,8 +632,9 @@ def shm_dataloader(*, shm_mb: int | None = None, num_workers: int = 2, batch_mb:
     real image batches do not fit: torch 2.14 fails with "unable to allocate shared
     memory(shm) ... No space left on device"; where the space is not reserved up front, the
     worker dies of a bus error instead. ``shm_mb`` reproduces that limit with a private tmpfs
-    (see :func:`small_shm_support`); ``None`` uses the machine's own. Returns a :class:`ShmRun`; the fixes are ``docker run --shm-size=8g`` (or
-    ``--ipc=host``), i.e. a larger ``shm_mb``, and ``num_workers=0``.
+    (see :func:`small_shm_support`); ``None`` uses the machine's own. Returns a
+    :class:`ShmRun`; the fixes are ``docker run --shm-size=8g`` (or ``--ipc=host``), i.e. a
+    larger ``shm_mb``, and ``num_workers=0``.
 
     Example::
 
@@ -650,15 +645,14 @@ def shm_dataloader(*, shm_mb: int | None = None, num_workers: int = 2, batch_mb:
     """
     import torch.multiprocessing as mp
 
-    if shm_mb is not None and (not isinstance(shm_mb, int) or isinstance(shm_mb, bool) or shm_mb < 1):
-        raise ValueError(f"shm_mb must be a whole number of MB >= 1 (Docker's default is 64), or "
-                         f"None for this machine's /dev/shm; got {shm_mb!r}")
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
-        raise ValueError(f"num_workers must be a whole number >= 0 (0 loads in the main process), "
-                         f"got {num_workers!r}")
-    if not batch_mb > 0 or not isinstance(batches, int) or batches < 1:
-        raise ValueError(f"need batch_mb > 0 and batches >= 1, got batch_mb={batch_mb!r} "
-                         f"batches={batches!r}")
+    if shm_mb is not None:
+        shm_mb = whole(shm_mb, "shm_mb", hint=": a size in MB (Docker's default is 64), or None "
+                                              "for this machine's /dev/shm")
+    num_workers = whole(num_workers, "num_workers", low=0,
+                        hint=" (0 loads in the main process)")
+    if not batch_mb > 0:
+        raise ValueError(f"batch_mb must be > 0, got {batch_mb!r}")
+    batches = whole(batches, "batches")
     if not (isinstance(timeout, int | float) and timeout > 0):
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     if sharing_strategy is not None and sharing_strategy not in mp.get_all_sharing_strategies():
@@ -737,7 +731,7 @@ def skipped_allreduce(batches: int = 3, *, extra_rank: int = 1, sync: str = "bar
     if fixed:
         steps = common_steps(steps)
     for step in range(steps):
-        grad = torch.full((4,), float(rank + step), device=_collective_device())
+        grad = torch.full((4,), float(rank + step), device=collective_device(required=False))
         dist.all_reduce(grad)  # one rank's last all_reduce has no partner
     if sync == "monitored":
         dist.monitored_barrier(timeout=timedelta(seconds=monitor_timeout), wait_all_ranks=True)
@@ -880,7 +874,8 @@ def training_fingerprints(*, seed: int | None = None, epochs: int = 2, set_epoch
     y = x.sum(1, keepdim=True)
     sampler = DistributedSampler(TensorDataset(x, y), shuffle=True, seed=0)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, sampler=sampler)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     orders = []
     for epoch in range(epochs):

@@ -33,7 +33,7 @@ __all__ = [
     "Check",
     "Report",
     "run_doctor",
-    "evaluate",
+    "run_checks",
     "main",
 ]
 
@@ -537,7 +537,7 @@ class Report:
 
     @property
     def checks(self) -> list[Check]:
-        return evaluate(self)
+        return run_checks(self)
 
     @property
     def ok(self) -> bool:
@@ -833,12 +833,12 @@ _CHECKS = (_check_system, _check_python, _check_torch, _check_gloo, _check_gpu, 
            _check_jupyter, _check_network, _check_profile)
 
 
-def evaluate(report: Report) -> list[Check]:
+def run_checks(report: Report) -> list[Check]:
     """Judge the facts: one :class:`Check` per concern, always the same names in the same order.
 
     Example::
 
-        >>> [c.name for c in evaluate(run_doctor())][:3]
+        >>> [c.name for c in run_checks(run_doctor())][:3]
         ['system', 'python', 'torch']
     """
     return [check(report) for check in _CHECKS]

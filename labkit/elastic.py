@@ -57,7 +57,8 @@ def step_batch(n_samples: int, step: int, batch: int, rank: int, world: int, see
         raise ValueError(f"{n_samples} samples do not make one batch of {batch} on each of "
                          f"{world} ranks: use a batch of at most {n_samples // world}")
     epoch, within = divmod(step, per_epoch)
-    order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    generator = torch.Generator().manual_seed(seed * 100003 + epoch)
+    order = torch.randperm(n_samples, generator=generator)
     start = (within * world + rank) * batch
     return order[start:start + batch]
 
@@ -94,7 +95,7 @@ def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.nn.utils import parameters_to_vector
 
-    from .bench import _device
+    from ._dist import collective_device
     from .ddp import save_on_rank0
 
     if steps < 1 or ckpt_every < 1:
@@ -102,7 +103,7 @@ def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every
                          f"ckpt_every={ckpt_every}")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    device = _device()  # the rank's GPU under NCCL, which cannot reduce CPU tensors
+    device = collective_device()  # the rank's GPU under NCCL, which cannot reduce CPU tensors
     model = DDP(make_model().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # state that must be saved
     resumed_from, done = None, 0

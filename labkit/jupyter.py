@@ -50,11 +50,12 @@ def port_free(host: str, port: int) -> bool:
 def run_lab(host: str = "127.0.0.1", port: int = 8888, root: str = "notebooks") -> int:
     """Print the URL with its token, then replace this process with JupyterLab."""
     if not Path(root).is_dir():
-        print(f"labkit lab: no folder {root!r}; run `make lab` from the repository root", file=sys.stderr)
+        print(f"labkit lab: no folder {root!r}; run `make lab` from the repository root",
+              file=sys.stderr)
         return 2
     if not port_free(host, port):
-        print(f"labkit lab: {host}:{port} is in use (another JupyterLab?). Stop it, or pick another "
-              f"port: make lab PORT={port + 1}", file=sys.stderr)
+        print(f"labkit lab: {host}:{port} is in use (another JupyterLab?). Stop it, or pick "
+              f"another port: make lab PORT={port + 1}", file=sys.stderr)
         return 2
     token = os.environ.get(TOKEN_ENV) or secrets.token_hex(24)
     print(f"\n  JupyterLab: http://{host}:{port}/lab?token={token}\n"

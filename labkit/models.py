@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["convnet", "small_cnn", "VGG16", "IMAGENET", "MIN_IMAGE_SIZE", "PRETRAINED_CHOICES", "vgg16",
-           "imagenet_checkpoint_path", "load_checkpoint", "freeze", "unfreeze",
-           "count_parameters", "replace_head"]
+from ._sizes import whole
+
+__all__ = ["convnet", "small_cnn", "VGG16", "IMAGENET", "MIN_IMAGE_SIZE", "PRETRAINED_CHOICES",
+           "vgg16", "vgg16_flops", "imagenet_checkpoint_path", "load_checkpoint", "freeze",
+           "unfreeze", "train_mode", "count_parameters", "replace_head"]
 
 # Conv channel counts of VGG16 ("configuration D"); "M" is a 2x2 max-pool.
 _CFG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
@@ -92,7 +94,7 @@ def _scaled(channels: int, width: float) -> int:
 
 
 def _init(m: nn.Module) -> None:
-    """torchvision's VGG initialisation, so a random start matches ``torchvision.models.vgg16()``."""
+    """torchvision's VGG initialisation: a random start matches ``torchvision.models.vgg16()``."""
     if isinstance(m, nn.Conv2d):
         nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
         nn.init.zeros_(m.bias)
@@ -115,7 +117,8 @@ def imagenet_checkpoint_path(batch_norm: bool = False) -> Path:
         >>> imagenet_checkpoint_path().name
         'vgg16-397923af.pth'
     """
-    return Path(torch.hub.get_dir()) / "checkpoints" / (IMAGENET.file_bn if batch_norm else IMAGENET.file)
+    file = IMAGENET.file_bn if batch_norm else IMAGENET.file
+    return Path(torch.hub.get_dir()) / "checkpoints" / file
 
 
 def vgg16(num_classes: int = 1000, *, width: float = 1.0, image_size: int = 224,
@@ -138,14 +141,12 @@ def vgg16(num_classes: int = 1000, *, width: float = 1.0, image_size: int = 224,
         torch.Size([4, 10])
         >>> base = vgg16(5, pretrained="auto")   # ImageNet features when cached, else random
     """
-    if not isinstance(image_size, int) or image_size < MIN_IMAGE_SIZE:
-        raise ValueError(f"image_size={image_size!r} is too small for VGG16's five 2x2 poolings: "
-                         f"use image_size >= {MIN_IMAGE_SIZE} (resize the images up, e.g. with "
-                         f"labkit.augment.augmentation({MIN_IMAGE_SIZE}))")
+    image_size = whole(image_size, "image_size", low=MIN_IMAGE_SIZE,
+                       hint=f": too small for VGG16's five 2x2 poolings (resize the images up, "
+                            f"e.g. with labkit.augment.augmentation({MIN_IMAGE_SIZE}))")
     if not width > 0:
         raise ValueError(f"width must be > 0 (1.0 is VGG16, 0.125 a CPU-sized copy), got {width}")
-    if not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    num_classes = whole(num_classes, "num_classes")
     if not 0 <= dropout < 1:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
     path = _resolve_pretrained(pretrained, width, batch_norm)
@@ -154,6 +155,34 @@ def vgg16(num_classes: int = 1000, *, width: float = 1.0, image_size: int = 224,
     if path is not None:
         load_checkpoint(model, path)
     return model
+
+
+def vgg16_flops(image_size: int = 224, width: float = 1.0, num_classes: int = 1000) -> int:
+    """Forward FLOPs of one image through :func:`vgg16`: 2 x the multiply-adds.
+
+    Counts the 13 convolutions and 3 linear layers (pooling, ReLU and biases are noise). A
+    training step costs about 3x this: the backward pass computes two products per layer.
+
+    Example::
+
+        >>> round(vgg16_flops() / 1e9, 1)       # 15.5 GMACs
+        31.0
+    """
+    image_size = whole(image_size, "image_size", low=MIN_IMAGE_SIZE,
+                       hint=" (VGG16's five 2x2 poolings)")
+    if not width > 0:
+        raise ValueError(f"width must be > 0, got {width}")
+    size, channels, macs = image_size, 3, 0
+    for item in _CFG:
+        if item == "M":
+            size //= 2
+            continue
+        out = _scaled(item, width)
+        macs += size * size * out * channels * 9  # 3x3 kernel, padding 1: same size out
+        channels = out
+    hidden = _scaled(4096, width)
+    macs += channels * 7 * 7 * hidden + hidden * hidden + hidden * num_classes
+    return 2 * macs
 
 
 def _resolve_pretrained(pretrained, width: float, batch_norm: bool = False) -> Path | None:
@@ -180,7 +209,8 @@ def _resolve_pretrained(pretrained, width: float, batch_norm: bool = False) -> P
             f"random weights instead")
     if isinstance(pretrained, os.PathLike) or (
             isinstance(pretrained, str) and (pretrained.endswith((".pth", ".pt"))
-                                             or os.sep in pretrained or os.path.isfile(pretrained))):
+                                             or os.sep in pretrained
+                                             or os.path.isfile(pretrained))):
         path = Path(pretrained)
         if not path.is_file():
             raise FileNotFoundError(f"no checkpoint file at {path}: save one with "
@@ -191,7 +221,7 @@ def _resolve_pretrained(pretrained, width: float, batch_norm: bool = False) -> P
 
 
 def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load a VGG16 checkpoint into ``model``: features must match, a head of another size is kept new.
+    """Load a VGG16 checkpoint into ``model``: features must match; another head size stays new.
 
     The file holds a state dict, or a dict with it under ``"model"`` or ``"state_dict"``
     (``module.`` and ``_orig_mod.`` prefixes from DDP and torch.compile are removed). It is read
@@ -279,6 +309,35 @@ def unfreeze(module: nn.Module) -> nn.Module:
     return module
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def train_mode(model: nn.Module) -> nn.Module:
+    """``model.train()``, except that frozen BatchNorm layers stay in eval mode.
+
+    ``requires_grad = False`` stops the optimiser, but a BatchNorm layer also keeps running
+    statistics (``running_mean``, ``running_var``: buffers, not parameters) that every forward
+    pass in train mode updates, and it normalises with the batch's own statistics instead of
+    them. A frozen base would still drift. So a BatchNorm layer whose parameters are all frozen
+    is put back in eval mode: it normalises with its stored statistics and leaves them as they
+    are, which is what Keras does for a layer with ``trainable = False``. BatchNorm layers
+    without parameters (``affine=False``) cannot be told frozen and train as usual.
+
+    Example::
+
+        >>> model = vgg16(10, width=1 / 8, image_size=32, batch_norm=True)
+        >>> _ = train_mode(freeze(model.features))
+        >>> model.features[1].training, model.classifier.training   # BatchNorm, head
+        (False, True)
+    """
+    model.train()
+    for m in model.modules():
+        params = list(m.parameters(recurse=False))
+        if isinstance(m, _BATCH_NORMS) and params and not any(p.requires_grad for p in params):
+            m.eval()
+    return model
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts, as the DLI lab prints them after freezing.
 
@@ -305,8 +364,7 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
         >>> model.classifier[-1].out_features
         5
     """
-    if not isinstance(num_classes, int) or num_classes < 1:
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    num_classes = whole(num_classes, "num_classes")
     classifier = getattr(model, "classifier", None)
     if not isinstance(classifier, nn.Sequential) or not isinstance(classifier[-1], nn.Linear):
         raise TypeError(f"replace_head expects a VGG-style model whose .classifier is an "

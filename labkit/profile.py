@@ -22,7 +22,8 @@ class ProfileError(ValueError):
 
 def visible_gpu_count() -> int:
     """How many NVIDIA GPUs this process may use, read without touching CUDA."""
-    found = sorted(glob.glob("/dev/nvidia[0-9]*")) or sorted(glob.glob("/proc/driver/nvidia/gpus/*"))
+    found = (sorted(glob.glob("/dev/nvidia[0-9]*"))
+             or sorted(glob.glob("/proc/driver/nvidia/gpus/*")))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return len(found)

@@ -20,6 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ._sizes import whole
+
 __all__ = ["MEASURE_ENV", "training_memory", "largest_batch", "peak_memory", "matmul_throughput",
            "thread_env", "gpu_partitions", "launch_together"]
 
@@ -53,8 +55,7 @@ def training_memory(model, sample, batch: int, *, precision: str = "fp32",
     if (precision, optimizer) not in BYTES_PER_PARAM:
         raise ValueError(f"no bytes-per-parameter rule for precision={precision!r}, "
                          f"optimizer={optimizer!r}: use one of {sorted(BYTES_PER_PARAM)}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a whole number >= 1, got {batch!r}")
+    batch = whole(batch, "batch")
     n = sum(p.numel() for p in model.parameters())
     per_param = BYTES_PER_PARAM[precision, optimizer]
     one, two = (saved_bytes(model, sample.expand(b, *sample.shape).clone(),
@@ -140,7 +141,8 @@ def peak_memory(make_model, sample, batch: int, *, num_classes: int = 10) -> dic
     import torch
 
     cuda = sample.device.type == "cuda"
-    if not cuda and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MEASURE_ENV["MALLOC_MMAP_THRESHOLD_"]:
+    threshold = MEASURE_ENV["MALLOC_MMAP_THRESHOLD_"]
+    if not cuda and os.environ.get("MALLOC_MMAP_THRESHOLD_") != threshold:
         raise RuntimeError("peak_memory on the CPU reads the resident size, which glibc's heap "
                            "blurs: run it in a process started with env=resources.MEASURE_ENV, "
                            "e.g. labkit.launch(peak_memory, ..., nproc=1, env=MEASURE_ENV)")
@@ -174,7 +176,7 @@ def peak_memory(make_model, sample, batch: int, *, num_classes: int = 10) -> dic
 
 def matmul_throughput(seconds: float, *, device: str = "cpu", size: int = 256,
                       ready_dir: str | None = None, jobs: int = 1, wait: float = 120.0) -> dict:
-    """GFLOP/s of ``size``-square float32 matrix products for ``seconds``, with this process's share.
+    """GFLOP/s of ``size``-square float32 matrix products for ``seconds``, on this process's share.
 
     On the CPU the share is its threads (``OMP_NUM_THREADS``), on a GPU the device it sees
     (``CUDA_VISIBLE_DEVICES``). ``ready_dir`` and ``jobs``: when several launches run at once,
@@ -194,8 +196,8 @@ def matmul_throughput(seconds: float, *, device: str = "cpu", size: int = 256,
         deadline = time.monotonic() + wait
         while (ready := len(list(Path(ready_dir).glob("*.ready")))) < jobs:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {ready} of {jobs} jobs reached {ready_dir} in {wait:g} s: "
-                                   "did every job get the same ready_dir and jobs?")
+                raise TimeoutError(f"only {ready} of {jobs} jobs reached {ready_dir} in "
+                                   f"{wait:g} s: did every job get the same ready_dir and jobs?")
             time.sleep(0.01)
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
@@ -223,8 +225,7 @@ def thread_env(threads: int) -> dict:
 
         >>> labkit.launch(train, nproc=2, env=thread_env(4))
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a whole number >= 1, got {threads!r}")
+    threads = whole(threads, "threads")
     return {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
                                              "OPENBLAS_NUM_THREADS")}
 

@@ -13,6 +13,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from ._sizes import whole
+
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (man sbatch).
 _TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
 _TIME_WORDS = ("infinite", "unlimited")
@@ -45,7 +47,8 @@ def sbatch_script(
     they are, e.g. ``("--account=myproj", "--mem=0")``.
 
     Example:
-        >>> text = sbatch_script("train.py", "--epochs", "3", nodes=2, gpus_per_node=4)  # doctest: +SKIP
+        >>> text = sbatch_script("train.py", "--epochs", "3",
+        ...                      nodes=2, gpus_per_node=4)  # doctest: +SKIP
         >>> "#SBATCH --nodes=2" in text and "--nproc-per-node=4" in text  # doctest: +SKIP
         True
     """
@@ -98,9 +101,8 @@ def _check_sizes(nodes, gpus_per_node, nproc_per_node, cpus_per_task, port) -> i
                              ("cpus_per_task", cpus_per_task, 1)):
         if value is None and name in ("nproc_per_node", "cpus_per_task"):
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a whole number >= "
-                             f"{low}, got {value!r}: pass {low} or more")
+        whole(value, f"{name} (--{name.replace('_', '-')})", low=low,
+              hint=f": pass {low} or more")
     nproc = nproc_per_node or gpus_per_node or 1
     if gpus_per_node and nproc > gpus_per_node:
         raise ValueError(f"nproc_per_node={nproc} is more workers than the {gpus_per_node} GPUs "
@@ -140,7 +142,8 @@ def _render(options, script: Path, args, nproc: int, cpus_per_task, port, python
         srun.append(f"--cpus-per-task={cpus_per_task}")
     lines = [shlex.join(srun), shlex.join([python, "-m", "torch.distributed.run"]),
              f'--nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={nproc}',
-             '--rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" --rdzv-id="$SLURM_JOB_ID"',
+             '--rdzv-backend=c10d --rdzv-endpoint="$head_node:$rdzv_port" '
+             '--rdzv-id="$SLURM_JOB_ID"',
              shlex.join([str(script), *map(str, args)])]
     command = " \\\n    ".join(lines)
     return "\n".join([

@@ -47,3 +47,16 @@ def group(tmp_path):
                             world_size=1)
     yield dist
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def nccl_group(tmp_path):
+    """A one-rank NCCL group on GPU 0 in this process: the worker functions on a GPU."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    yield dist
+    dist.destroy_process_group()

@@ -22,7 +22,8 @@ def _budget() -> float:
     try:
         return float(raw) if raw else DEFAULT_BUDGET
     except ValueError:
-        raise pytest.UsageError(f"LABKIT_NOTEBOOK_BUDGET={raw!r} is not a number of seconds") from None
+        raise pytest.UsageError(f"LABKIT_NOTEBOOK_BUDGET={raw!r} is not a number of "
+                                "seconds") from None
 
 
 def _notebook(nodeid: str) -> str | None:
@@ -52,9 +53,9 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown" and item.nodeid == _last_item.get(nb) and _spent[nb] > budget:
         report.outcome = "failed"
         profile = os.environ.get("LABKIT_PROFILE", "the default")
-        report.longrepr = (f"{nb} took {_spent[nb]:.1f} s in the {profile} profile, over its budget "
-                           f"of {budget:g} s: shrink its sizes for that profile (knob(..., smoke=...)), "
-                           f"or raise LABKIT_NOTEBOOK_BUDGET outside CI")
+        report.longrepr = (f"{nb} took {_spent[nb]:.1f} s in the {profile} profile, over its "
+                           f"budget of {budget:g} s: shrink its sizes for that profile "
+                           f"(knob(..., smoke=...)), or raise LABKIT_NOTEBOOK_BUDGET outside CI")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -170,7 +170,8 @@ def run_notebook(browser, lab, name: str, through: str | None = None):
                 && prompts.slice(0, n).every(p => /\\[\\d+\\]/.test(p.innerText));
             const failed = [...document.querySelectorAll('.jp-OutputArea-output')]
                 .some(o => o.innerText.includes('Traceback'));
-            const idle = /\\|\\s*Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '');
+            const idle = /\\|\\s*Idle/.test(
+                document.querySelector('#jp-main-statusbar')?.innerText ?? '');
             return (done || failed) && idle;
         }""", arg=n_code, timeout=RUN_TIMEOUT_MS, polling=500)
     print(f"{name}: {command} took {time.monotonic() - started:.1f} s")

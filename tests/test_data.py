@@ -30,7 +30,7 @@ def test_unknown_module_attribute_is_an_attribute_error():
 
 
 # --------------------------------------------------------------------------------------------
-# ImageSet, fingerprint
+# ImageSet, content_hash
 
 
 def test_imageset_indexing_counts_and_repr():
@@ -59,15 +59,15 @@ def test_imageset_rejects_bad_arrays(images, labels, classes, message):
         ImageSet(images, np.array(labels), classes)
 
 
-def test_fingerprint_sees_every_part():
+def test_content_hash_sees_every_part():
     s = _set()
-    base = data.fingerprint(s)
-    assert base == data.fingerprint(_set())
+    base = data.content_hash(s)
+    assert base == data.content_hash(_set())
     changed = s.images.copy()
     changed[0, 0, 0, 0] ^= 1
-    assert data.fingerprint(ImageSet(changed, s.labels, s.classes)) != base
-    assert data.fingerprint(ImageSet(s.images, s.labels[::-1], s.classes)) != base
-    assert data.fingerprint(ImageSet(s.images, s.labels, ["x", "y", "z"])) != base
+    assert data.content_hash(ImageSet(changed, s.labels, s.classes)) != base
+    assert data.content_hash(ImageSet(s.images, s.labels[::-1], s.classes)) != base
+    assert data.content_hash(ImageSet(s.images, s.labels, ["x", "y", "z"])) != base
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,8 +87,9 @@ def test_digits_are_upscaled_rgb_and_match_pil_bilinear():
     assert data.digits(20).images.shape == (1797, 20, 20, 3)
 
 
-@pytest.mark.parametrize("size, message", [(4, "too small"), (32.0, "must be an int"),
-                                           (True, "must be an int"), ("32", "must be an int")])
+@pytest.mark.parametrize("size, message", [(4, "too small"), (32.0, "must be a whole number"),
+                                           (True, "must be a whole number"),
+                                           ("32", "must be a whole number")])
 def test_bad_image_size_is_refused(size, message):
     with pytest.raises(DataError, match=message):
         data.digits(size)
@@ -126,10 +127,10 @@ def test_shapes_are_balanced_deterministic_and_prefix_stable():
     assert s.images.shape == (130, 32, 32, 3) and s.images.dtype == np.uint8
     assert s.classes == list(data.SHAPES)
     assert set(s.counts().values()) == {26}
-    assert data.fingerprint(data.shapes(130)) == data.fingerprint(s)
+    assert data.content_hash(data.shapes(130)) == data.content_hash(s)
     # The first 100 of 130 are the 100 (chunks are seeded by position, not by n).
-    assert data.fingerprint(data.shapes(100)) == data.fingerprint(s[:100])
-    assert data.fingerprint(data.shapes(130, seed=1)) != data.fingerprint(s)
+    assert data.content_hash(data.shapes(100)) == data.content_hash(s[:100])
+    assert data.content_hash(data.shapes(130, seed=1)) != data.content_hash(s)
     # Not blank: every image has a shape that differs from its background.
     assert (s.images.reshape(130, -1, 3).std(axis=1).max(axis=1) > 20).all()
 
@@ -152,8 +153,8 @@ def test_shape_masks_cover_sensible_areas():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n=0), "n must be a positive int"),
-    (dict(n=2.5), "n must be a positive int"),
+    (dict(n=0), "n must be a whole number >= 1"),
+    (dict(n=2.5), "n must be a whole number >= 1"),
     (dict(n=5, image_size=8), "too small for shapes"),
     (dict(n=5, classes=["circle", "hexagon"]), "hexagon"),
     (dict(n=5, classes=["circle"]), "two or more"),
@@ -177,8 +178,8 @@ def test_split_is_stratified_disjoint_and_deterministic():
     both = np.concatenate([train.images, val.images]).reshape(200, -1)
     assert len(np.unique(both, axis=0)) == 200  # nothing lost, nothing duplicated
     again = data.split(s, 0.25, seed=0)[1]
-    assert data.fingerprint(again) == data.fingerprint(val)
-    assert data.fingerprint(data.split(s, 0.25, seed=1)[1]) != data.fingerprint(val)
+    assert data.content_hash(again) == data.content_hash(val)
+    assert data.content_hash(data.split(s, 0.25, seed=1)[1]) != data.content_hash(val)
 
 
 def test_split_keeps_a_tiny_class_in_both_parts():
@@ -203,11 +204,11 @@ def test_take_picks_n_per_class_deterministically():
     s = data.shapes(100)
     small = data.take(s, 7, seed=2)
     assert small.counts() == {name: 7 for name in data.SHAPES}
-    assert data.fingerprint(data.take(s, 7, seed=2)) == data.fingerprint(small)
-    assert data.fingerprint(data.take(s, 7, seed=3)) != data.fingerprint(small)
+    assert data.content_hash(data.take(s, 7, seed=2)) == data.content_hash(small)
+    assert data.content_hash(data.take(s, 7, seed=3)) != data.content_hash(small)
     with pytest.raises(DataError, match="class 'circle' has 20 images, fewer than n_per_class=21"):
         data.take(s, 21)
-    with pytest.raises(DataError, match="positive int"):
+    with pytest.raises(DataError, match="n_per_class must be a whole number >= 1"):
         data.take(s, 0)
 
 
@@ -586,7 +587,7 @@ def test_generated_sets_match_their_catalog_checksum(name):
     built = function(**entry["build"]["kwargs"])
     assert len(built) == entry["size"]["items"]
     assert built.images.nbytes == entry["size"]["bytes"]
-    assert data.fingerprint(built) == entry["checksum"]["fingerprint"], (
+    assert data.content_hash(built) == entry["checksum"]["content_hash"], (
         f"{name} is no longer what the catalog recorded: if the change is intended, "
         f"update datasets/catalog.json")
 

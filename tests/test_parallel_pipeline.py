@@ -93,7 +93,8 @@ def test_every_stage_runs_each_forward_and_backward_once(p, m):
         schedule = SCHEDULES[name](p, m)
         assert len(schedule) == p
         for actions in schedule:
-            assert sorted(actions) == sorted([(F, i) for i in range(m)] + [(B, i) for i in range(m)])
+            assert sorted(actions) == sorted([(F, i) for i in range(m)]
+                                             + [(B, i) for i in range(m)])
             assert all(actions.index((B, i)) > actions.index((F, i)) for i in range(m))
         check_schedule(schedule, m)  # the same, as the library checks it
 
@@ -108,7 +109,7 @@ def test_one_f_one_b_holds_at_most_p_minus_stage_micro_batches(p, m):
 @pytest.mark.parametrize("p, m", [(0, 4), (2, 0), (2, 1.5)])
 def test_schedules_refuse_bad_sizes(p, m):
     for make in (gpipe_schedule, one_f_one_b_schedule):
-        with pytest.raises(ValueError, match=r"need (stages|m) >= 1"):
+        with pytest.raises(ValueError, match=r"(stages|m) must be a whole number >= 1"):
             make(p, m)
 
 
@@ -132,7 +133,7 @@ def test_bubble_formula_values():
     assert bubble_formula(2, 8) == pytest.approx(1 / 9)
     assert bubble_formula(4, 4) == pytest.approx(3 / 7)
     assert bubble_formula(8, 32) == pytest.approx(7 / 39)
-    with pytest.raises(ValueError, match="need stages >= 1"):
+    with pytest.raises(ValueError, match="stages must be a whole number >= 1"):
         bubble_formula(0, 4)
 
 
@@ -220,7 +221,8 @@ def test_bubble_breakdown_recovers_the_costs_it_is_given(name):
 
 def test_bubble_breakdown_takes_the_median_step_and_needs_events():
     calm = simulate(gpipe_schedule(2, 2))
-    late = [{**e, "start": e["start"] + 0.5 * (e["rank"] == 1), "end": e["end"] + 0.5 * (e["rank"] == 1)}
+    late = [{**e, "start": e["start"] + 0.5 * (e["rank"] == 1),
+             "end": e["end"] + 0.5 * (e["rank"] == 1)}
             for e in calm]
     steps = [{**e, "step": k} for k, step in enumerate([calm, calm, late]) for e in step]
     assert bubble_breakdown(steps)["measured"] == pytest.approx(measured_bubble(calm))
@@ -266,7 +268,7 @@ def test_split_stages_refuses_what_cannot_split():
                                          r"use stages <= 4"):
         split_stages(model, 5)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match="need at least one pipeline stage"):
+        with pytest.raises(ValueError, match="stages must be a whole number >= 1"):
             split_stages(model, bad)
     with pytest.raises(ValueError, match=r"needs an nn.Sequential.*got Linear"):
         split_stages(nn.Linear(2, 2), 1)
@@ -297,7 +299,7 @@ def test_micro_batches_that_do_not_divide_say_what_would():
         micro_batches(torch.zeros(30, 2), 4)
     with pytest.raises(ValueError, match=r"use m in \(1, 7\) or"):
         micro_batches(torch.zeros(7), 2)
-    with pytest.raises(ValueError, match="need m >= 1"):
+    with pytest.raises(ValueError, match="m must be a whole number >= 1"):
         micro_batches(torch.zeros(4), 0)
 
 
@@ -314,7 +316,7 @@ def test_reference_step_is_the_full_model_on_the_full_batch():
     assert torch.allclose(torch.cat(ref["grads"]), flat, atol=1e-7)
 
 
-# ---- worker functions in a one-rank group (this process) ------------------------------------------
+# ---- worker functions in a one-rank group (this process) -----------------------------------
 
 SMALL = partial(mlp_stack, width=32, depth=4, inputs=8)
 
@@ -322,11 +324,14 @@ SMALL = partial(mlp_stack, width=32, depth=4, inputs=8)
 def test_one_stage_pipeline_is_gradient_accumulation(group):
     batch = example_batch(12, inputs=8)
     ref = reference_step(stage_builder(SMALL), 1, batch)
-    for name, m in (("naive", 1), ("gpipe", 3), ("1f1b", 4)):
+    for name, m, live in (("naive", 1, 1), ("gpipe", 3, 3), ("1f1b", 4, 1)):
         out = run_pipeline(stage_builder(SMALL), name, m, batch, steps=2, warmup=1)
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         assert torch.allclose(out["grads"], ref["grads"][0], rtol=1e-4, atol=1e-6)
         assert len(out["events"]) == 2 * 2 * m and {e["step"] for e in out["events"]} == {0, 1}
+        # One stage: GPipe holds every micro-batch, 1F1B runs each backward at once.
+        assert out["peak_live"] == [live], name
+        assert out["peak_saved_bytes"] == [live * out["micro_saved_bytes"][0]] != [0], name
 
 
 @pytest.mark.parametrize("schedule, m, kwargs, match", [
@@ -379,7 +384,7 @@ def test_pipelining_refuses_unknown_schedules(group):
         pipelining_step(stage_builder(SMALL), "naive", 1, example_batch(12, inputs=8))
 
 
-# ---- two stages, one launch -------------------------------------------------------------------------
+# ---- two stages, one launch ----------------------------------------------------------------
 
 BATCH, M = 12, 3
 SKEW = 0.05  # seconds: how far apart two ranks may leave the same barrier on a busy CI box
@@ -433,6 +438,29 @@ def test_two_stage_events_are_well_formed(two_stages, name, m):
         assert at[0, F, i]["end"] <= at[1, F, i]["start"] + SKEW
         assert at[1, B, i]["end"] <= at[0, B, i]["start"] + SKEW
     assert 0 < measured_bubble(events) < 1
+
+
+def test_two_stage_activations_alive_follow_the_schedule(two_stages):
+    values, _ = two_stages
+    runs = {name: values[0][name] for name in ("gpipe", "1f1b", "naive")}
+    keys = ("peak_live", "peak_saved_bytes", "micro_saved_bytes")
+    for name, run in runs.items():  # every rank returns every stage's figures
+        assert all(values[1][name][k] == run[k] for k in keys), name
+    assert runs["gpipe"]["peak_live"] == [M, M]
+    assert runs["1f1b"]["peak_live"] == [min(M, 2 - s) for s in range(2)] == [2, 1]
+    assert runs["naive"]["peak_live"] == [1, 1]
+    for name, run in runs.items():  # equal micro-batches: bytes are live micro-batches x one's
+        assert run["peak_saved_bytes"] == [n * b for n, b in zip(run["peak_live"],
+                                                                  run["micro_saved_bytes"],
+                                                                  strict=True)], name
+    assert runs["gpipe"]["micro_saved_bytes"] == runs["1f1b"]["micro_saved_bytes"]
+    # Stage 0 of SMALL is Linear-ReLU three times: it keeps the three ReLU outputs (each the
+    # next Linear's input); its own input is the batch and its weights are held anyway.
+    micro = BATCH // M
+    width = 32 * 4  # float32 bytes per row of SMALL's square layers
+    assert runs["gpipe"]["micro_saved_bytes"][0] == 3 * micro * width
+    # Stage 1 also keeps the input it received and the loss's log-softmax, at least.
+    assert runs["gpipe"]["micro_saved_bytes"][1] >= 3 * micro * width + micro * 10 * 4
 
 
 # ---- on GPUs -------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def test_augmentation_grid_is_repeatable_by_seed():
 @pytest.mark.parametrize("image, transform, n, match", [
     ("float", None, 4, r"H x W x 3 uint8.*float64"),
     ("grey", None, 4, r"H x W x 3 uint8.*\(40, 48\)"),
-    ("ok", None, 0, r"n must be a positive int"),
+    ("ok", None, 0, r"n must be a whole number >= 1"),
     ("ok", lambda t: t[0], 4, r"C x H x W tensor with 1 or 3 channels, got \(40, 48\)"),
     ("ok", lambda t: "text", 4, r"C x H x W tensor.*got str"),
 ])
@@ -262,7 +262,8 @@ def test_training_curves_one_run():
 def test_training_curves_overlays_labelled_runs():
     from labkit.plots import training_curves
 
-    fig = training_curves({"no augmentation": _history(gap=0.3), "augmentation": _history(gap=0.05)})
+    fig = training_curves({"no augmentation": _history(gap=0.3),
+                           "augmentation": _history(gap=0.05)})
     for ax in fig.axes:
         labels = [line.get_label() for line in ax.get_lines()]
         assert labels == ["no augmentation: train", "no augmentation: validation",
@@ -331,7 +332,7 @@ def test_live_training_curves_redraws_one_display(monkeypatch):
 
 
 def _scaling(mode, workers, one=100.0, loss=0.1, predicted=False):
-    """Rows as scaling_sweep gives them: each doubling of workers loses ``loss`` efficiency."""
+    """Rows as measure_scaling gives them: each doubling of workers loses ``loss`` efficiency."""
     rows = []
     for n in workers:
         efficiency = (1 - loss) ** (n.bit_length() - 1)
@@ -431,9 +432,9 @@ def _without(rows, key):
 
 
 @pytest.mark.parametrize("rows, prediction, match", [
-    ([], None, r"no rows to plot: pass the rows labkit\.bench\.scaling_sweep returned"),
+    ([], None, r"no rows to plot: pass the rows labkit\.ddp\.measure_scaling returned"),
     (_without(_scaling("weak", [1, 2]), "efficiency"), None,
-     r"rows lack \['efficiency'\]: pass the rows labkit\.bench\.scaling_sweep returned"),
+     r"rows lack \['efficiency'\]: pass the rows labkit\.ddp\.measure_scaling returned"),
     ([{"mode": "weak", "workers": 1}], None, r"lack \['samples_per_s', 'speedup', 'efficiency'\]"),
     (_scaling("sideways", [1, 2]), None, r"unknown mode \['sideways'\] in rows.*'weak'.*'strong'"),
     (_scaling("weak", [1, 2]), _without(_scaling("weak", [8], predicted=True), "speedup"),
@@ -561,7 +562,8 @@ def test_pipeline_timeline_shows_one_step_and_refuses_bad_events():
 def test_bubble_plot_measured_per_schedule_beside_the_formula():
     from labkit.plots import bubble_plot
 
-    rows = [{"schedule": s, "stages": 2, "m": m, "measured": 1 / (m + 1) + d, "formula": 1 / (m + 1)}
+    rows = [{"schedule": s, "stages": 2, "m": m, "measured": 1 / (m + 1) + d,
+             "formula": 1 / (m + 1)}
             for s, d in (("gpipe", 0.02), ("1f1b", 0.01)) for m in (1, 2, 4, 8)]
     fig = bubble_plot(rows)
     (ax,) = fig.axes
@@ -610,3 +612,60 @@ def test_tuning_plot_refuses_what_it_cannot_draw():
         tuning_plot([{"technique": "x", "speedup": 2.0}])
     with pytest.raises(ValueError, match=r"not for \['x'\]"):
         tuning_plot([{"technique": "x", "speedup": 0.0, "unit": "s"}])
+
+
+def _overlap_row(cap, buckets, compute, step, serial):
+    comm = serial - compute
+    return {"bucket_cap_mb": cap, "allreduces": float(buckets), "MB_per_step": 12.6,
+            "compute_s": compute, "step_s": step, "serial_s": serial, "comm_s": comm,
+            "hidden_fraction": (serial - step) / comm if comm > 0.02 * serial else None,
+            "ranks": 2}
+
+
+def test_overlap_plot_stacks_compute_exposed_and_hidden_to_the_serial_step():
+    from labkit.plots import overlap_plot
+
+    rows = [_overlap_row(25, 1, 0.050, 0.090, 0.090),     # one bucket: nothing hidden
+            _overlap_row(0.25, 12, 0.050, 0.070, 0.110)]  # 40 ms of 60 hidden
+    fig = overlap_plot(rows)
+    (ax,) = fig.axes
+    bars = ax.patches  # compute, exposed, hidden; one bar per cap in each, caps sorted
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.25 MB\n12 buckets",
+                                                            "25 MB\n1 bucket"]
+    heights = [b.get_height() for b in bars]
+    assert heights == pytest.approx([50, 50, 20, 40, 40, 0])
+    assert [b.get_y() for b in bars[4:]] == pytest.approx([70, 90])  # hidden sits on exposed
+    tops = [b.get_y() + b.get_height() for b in bars[4:]]
+    assert tops == pytest.approx([110, 90])  # each bar is the serial step, in ms
+    assert [t.get_text() for t in ax.texts] == ["hidden 67%", "hidden 0%"]
+    segments = ax.collections[0].get_segments()  # the measured overlapped step on each bar
+    assert [seg[0][1] for seg in segments] == pytest.approx([70, 90])
+    fig.canvas.draw()
+
+
+def test_overlap_plot_clips_noise_and_draws_on_a_given_axes():
+    from matplotlib import pyplot as plt
+
+    from labkit.plots import overlap_plot
+
+    # Noise: overlapped slower than serial, or faster than compute alone.
+    rows = [_overlap_row(4, 3, 0.050, 0.100, 0.080), _overlap_row(8, 2, 0.050, 0.040, 0.080),
+            _overlap_row(16, 1, 0.050, 0.051, 0.0505)]
+    fig, ax = plt.subplots()
+    assert overlap_plot(rows, ax=ax) is fig
+    heights = [b.get_height() for b in ax.patches]
+    assert heights[3:6] == pytest.approx([30, 0, 0.5])   # exposed: clipped to the communication
+    assert heights[6:] == pytest.approx([0, 30, 0])      # hidden: never below 0
+    assert [t.get_text() for t in ax.texts] == ["hidden -67%", "hidden 133%", "hidden n/a"]
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([], "no rows to plot"),
+    ([{"bucket_cap_mb": 25, "allreduces": 1, "step_s": 0.1}],
+     r"lack \['compute_s', 'serial_s', 'hidden_fraction'\]: .*overlap=True"),
+])
+def test_overlap_plot_refuses_rows_without_the_overlap_columns(rows, match):
+    from labkit.plots import overlap_plot
+
+    with pytest.raises(ValueError, match=match):
+        overlap_plot(rows)

@@ -122,7 +122,8 @@ def test_peak_memory_measured_on_the_cpu_matches_the_estimate_where_activations_
 
 def test_peak_memory_on_the_cpu_refuses_a_process_without_measure_env(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    with pytest.raises(RuntimeError, match="run it in a process started with env=resources.MEASURE_ENV"):
+    with pytest.raises(RuntimeError,
+                       match="run it in a process started with env=resources.MEASURE_ENV"):
         resources.peak_memory(_mlp, torch.zeros(6), 4)
 
 
@@ -189,7 +190,8 @@ def test_cuda_visible_devices_partitions_do_not_overlap():
         pytest.skip("needs 2 GPUs")
 
     def seen():
-        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        return [str(torch.cuda.get_device_properties(i).uuid)
+                for i in range(torch.cuda.device_count())]
 
     parts = resources.gpu_partitions(cuda_gpus(), 2)
     a, b = (r.values[0] for r in resources.launch_together(

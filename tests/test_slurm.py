@@ -36,7 +36,8 @@ def train(tmp_path) -> Path:
 
 
 def sbatch_lines(text: str) -> list[str]:
-    return [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH ")]
+    return [line.removeprefix("#SBATCH ") for line in text.splitlines()
+            if line.startswith("#SBATCH ")]
 
 
 # ---- the script's text -------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def fake_bin(folder: Path) -> Path:
 
 
 def test_the_script_runs_one_agent_per_node_meeting_at_the_first_node(tmp_path, train):
-    """Run the generated script with bash, Slurm faked, and parse what srun got with torchrun's parser."""
+    """Run the generated script with bash, Slurm faked; parse srun's arguments as torchrun does."""
     from torch.distributed.run import get_args_parser
 
     job = write_sbatch(tmp_path / "job.sbatch", train, "--lr", "0.1", nodes=2, nproc_per_node=3)
@@ -131,7 +132,8 @@ def test_writing_a_script_imports_no_framework(train):
 ])
 def test_counts_below_their_minimum_or_not_whole(train, option, value):
     flag = "--" + option.replace("_", "-")
-    with pytest.raises(ValueError, match=rf"{option} \({flag}\) must be a whole number >= \d.*pass"):
+    with pytest.raises(ValueError,
+                       match=rf"{option} \({flag}\) must be a whole number >= \d.*pass"):
         sbatch_script(train, **{option: value})
 
 
@@ -142,7 +144,8 @@ def test_more_workers_than_gpus(train):
 
 @pytest.mark.parametrize("port", [80, 70000, True, "29500"])
 def test_bad_port(train, port):
-    with pytest.raises(ValueError, match="port must be a whole number from 1024 to 65535.*leave it out"):
+    with pytest.raises(ValueError,
+                       match="port must be a whole number from 1024 to 65535.*leave it out"):
         sbatch_script(train, port=port)
 
 
@@ -231,7 +234,8 @@ def test_cli_missing_script_exits_1(tmp_path, capsys):
 _PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "sinfo",
              "scancel")
-_DAEMONS = (("slurmd", "slurmd.pid"), ("slurmctld", "slurmctld.pid"), ("munged", "munge/munged.pid"))
+_DAEMONS = (("slurmd", "slurmd.pid"), ("slurmctld", "slurmctld.pid"),
+            ("munged", "munge/munged.pid"))
 _DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED"}
 
@@ -298,7 +302,7 @@ def _slurm_conf(folder: Path, host: str) -> str:
 
 
 def _start(cluster: Cluster, host: str) -> None:
-    """munged with its own key and socket, then slurmctld and slurmd; wait until the node is idle."""
+    """munged with its own key and socket, then slurmctld and slurmd; wait for the node to idle."""
     folder = cluster.folder
     try:
         socket.gethostbyname(host)
@@ -321,8 +325,9 @@ def _start(cluster: Cluster, host: str) -> None:
     for command in starts:
         # Daemons fork and keep no pipe of ours; their early errors go to a file.
         with open(folder / f"{command[0]}.err", "w") as err:
-            rc = subprocess.run([shutil.which(command[0], path=_PATH), *command[1:]], env=cluster.env,
-                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, timeout=30).returncode
+            rc = subprocess.run([shutil.which(command[0], path=_PATH), *command[1:]],
+                                env=cluster.env, stdin=subprocess.DEVNULL, stdout=err,
+                                stderr=err, timeout=30).returncode
         if rc != 0:
             raise RuntimeError(f"{command[0]} exited {rc}: "
                                f"{(folder / f'{command[0]}.err').read_text()}\n{cluster.logs()}")
@@ -366,7 +371,8 @@ def _stop(cluster: Cluster) -> None:
     # slurmd and slurmctld stop together (each takes a second or two); munged last, as they
     # need it to sign their last messages.
     for group in (_DAEMONS[:2], _DAEMONS[2:]):
-        procs = [p for p in (_daemon(cluster.folder / pid_file, name) for name, pid_file in group) if p]
+        procs = [p for p in (_daemon(cluster.folder / pid_file, name)
+                             for name, pid_file in group) if p]
         for p in procs:
             p.send_signal(signal.SIGTERM)
         for p in psutil.wait_procs(procs, timeout=15)[1]:
@@ -482,7 +488,8 @@ def test_a_real_slurm_job_trains_and_all_reduces_on_two_ranks(slurm_cluster):
     fields = _wait_for(slurm_cluster, job_id, within=240)
     output = (folder / f"labkit-e2e-{job_id}.out").read_text()
     print(f"--- job {job_id} output ({time.monotonic() - t0:.1f} s from sbatch to done):\n{output}")
-    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output + slurm_cluster.logs()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), \
+        output + slurm_cluster.logs()
     assert f"[labkit] job {job_id}: 1 node(s) x 2 worker(s), rendezvous at " in output
     ranks = {int(m["rank"]): m for m in (
         dict(re.findall(r"(\w+)=(\S+)", line)) for line in output.splitlines()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from .parameter_server import _accuracy, worker_batches
+from .parameter_server import accuracy, worker_batches
 
 __all__ = ["METHODS", "topk_compress", "compressed_training"]
 
@@ -128,6 +128,6 @@ def compressed_training(make_model, train, val, *, method: str = "dense", steps:
             weights /= world
             sent += numel * 4
         vector_to_parameters(weights, params)
-    return {"method": method, "rank": rank, "accuracy": _accuracy(model, weights, *val),
+    return {"method": method, "rank": rank, "accuracy": accuracy(model, weights, *val),
             "bytes_per_rank": sent, "dense_bytes": numel * 4 * steps,
             "seconds": time.perf_counter() - start, "steps": steps}

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.bench import _device
+from labkit._dist import collective_device
+from labkit._sizes import whole
 
 __all__ = ["STRATEGIES", "BYTES_PER_PARAM", "estimate_memory", "block_stack", "fsdp_memory",
            "forward_blocks", "counting_saved_bytes", "saved_bytes", "activation_memory"]
@@ -38,11 +39,6 @@ BYTES_PER_PARAM = {
     ("mixed", "sgd"): {"params": 2, "grads": 2, "optimizer": 8},  # master copy + momentum
     ("fp32", "sgd"): {"params": 4, "grads": 4, "optimizer": 4},  # momentum
 }
-
-
-def _whole(name, value, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
 
 
 def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int | None = None,
@@ -69,10 +65,10 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int | None 
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
-    _whole("world_size", world_size)
+    whole(world_size, "world_size")
     for name, value in (("tp", tp), ("pp", pp)):
         if value is not None:
-            _whole(name, value)
+            whole(value, name)
     if not n_params > 0:
         raise ValueError(f"n_params must be > 0, got {n_params!r}")
     if bytes_per_param is None:
@@ -205,8 +201,8 @@ def fsdp_memory(model_fn, *, steps: int = 1, mixed_precision: bool = False, batc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    _whole("steps", steps)
-    device = _device()
+    whole(steps, "steps")
+    device = collective_device()
     torch.manual_seed(seed)
     model = model_fn().to(device)
     x = input_fn().to(device) if input_fn else _first_linear_input(model, batch, device)
@@ -314,7 +310,7 @@ def activation_memory(model_fn, x, *, checkpoint: bool = False, repeats: int = 3
                          f"an nn.Sequential of blocks (e.g. block_stack(8, 64)), "
                          f"got {type(model).__name__}")
     model = model.to(x.device)
-    _whole("repeats", repeats)
+    whole(repeats, "repeats")
     saved = saved_bytes(lambda batch: forward_blocks(model, batch, checkpoint=checkpoint), x,
                         exclude=model.parameters())
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-__all__ = ["MODES", "parameter_server", "worker_batches"]
+__all__ = ["MODES", "parameter_server", "worker_batches", "accuracy"]
 
 MODES = ("sync", "async")
 
@@ -71,7 +71,8 @@ def _gradient(model, weights, x, y) -> tuple[torch.Tensor, float]:
     return parameters_to_vector(p.grad for p in model.parameters()), loss.item()
 
 
-def _accuracy(model, weights, x, y) -> float:
+def accuracy(model, weights, x, y) -> float:
+    """The accuracy on ``(x, y)`` of ``model`` loaded with the flat vector ``weights``."""
     vector_to_parameters(weights, model.parameters())
     with torch.no_grad():
         return (model(x).argmax(1) == y).float().mean().item()
@@ -175,8 +176,9 @@ def parameter_server(make_model, train, val, *, mode: str = "sync", steps: int =
     serve = _serve_sync if mode == "sync" else _serve_async
     out = serve(weights, workers, steps, lr)
     seconds = time.perf_counter() - start
-    return {"rank": 0, "mode": mode, "updates": out["updates"], "staleness": out["staleness"], "pushed_by": out["pushed_by"],
+    return {"rank": 0, "mode": mode, "updates": out["updates"], "staleness": out["staleness"],
+            "pushed_by": out["pushed_by"],
             "mean_staleness": statistics.fmean(out["staleness"]),
-            "accuracy": _accuracy(model, out["weights"], *val), "seconds": seconds,
+            "accuracy": accuracy(model, out["weights"], *val), "seconds": seconds,
             "bytes_per_update": weights.numel() * weights.element_size(),
             "weights": out["weights"]}

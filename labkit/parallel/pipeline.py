@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from .._sizes import divisors
+from .._dist import barrier, collective_device, sync
+from .._sizes import divisors, whole
+from .memory import counting_saved_bytes
 
 __all__ = ["mlp_stack", "example_batch", "split_stages", "stage_builder", "micro_batches",
            "naive_schedule", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES",
@@ -89,8 +91,7 @@ def split_stages(model: nn.Sequential, stages: int) -> list[nn.Sequential]:
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"split_stages needs an nn.Sequential (layers in order), got "
                          f"{type(model).__name__}: wrap the layers as nn.Sequential(*layers)")
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"need at least one pipeline stage, got stages={stages!r}")
+    stages = whole(stages, "stages", hint=" (pipeline stages)")
     layers = list(model)
     n = len(layers)
     if stages > n:
@@ -159,8 +160,7 @@ def micro_batches(x: torch.Tensor, m: int) -> list[torch.Tensor]:
         >>> [c.shape[0] for c in micro_batches(torch.zeros(12, 3), 4)]
         [3, 3, 3, 3]
     """
-    if not isinstance(m, int) or m < 1:
-        raise ValueError(f"need m >= 1 micro-batches, got m={m!r}")
+    m = whole(m, "m", hint=" (micro-batches)")
     size = x.shape[0]
     if size % m:
         options = divisors(size, 5)
@@ -237,10 +237,8 @@ SCHEDULES = {"naive": lambda stages, m: naive_schedule(stages), "gpipe": gpipe_s
 
 
 def _check_sizes(stages, m):
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"need stages >= 1 (one per rank), got {stages!r}")
-    if not isinstance(m, int) or m < 1:
-        raise ValueError(f"need m >= 1 micro-batches, got {m!r}")
+    whole(stages, "stages", hint=" (one per rank)")
+    whole(m, "m", hint=" (micro-batches)")
 
 
 def _schedule(schedule, stages: int, m: int) -> list[list[tuple[str, int]]]:
@@ -273,9 +271,10 @@ def check_schedule(schedule, m: int) -> None:
 
     Example::
 
-        >>> check_schedule([[("B", 0), ("F", 0)]], 1)
+        >>> check_schedule([[("B", 0), ("F", 0)]], 1)  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
-        ValueError: stage 0 runs ('B', 0) before ('F', 0): a backward needs its forward's activations
+        ValueError: stage 0 runs ('B', 0) before ('F', 0): a backward needs its forward's
+        activations
     """
     expected = sorted((kind, i) for kind in "FB" for i in range(m))
     for stage, actions in enumerate(schedule):
@@ -496,18 +495,6 @@ def reference_step(stage_module_fn, stages: int, batch, *, loss_fn=F.cross_entro
 # ---- many processes: rank r runs stage r -------------------------------------------------------
 
 
-def _sync(device):
-    if device.type == "cuda":  # kernels and NCCL transfers are asynchronous: wait before timing
-        torch.cuda.synchronize(device)
-
-
-def _barrier(device):
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
-
-
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_DIMS = 8
 
@@ -539,12 +526,18 @@ def _input_meta(module, first_input, rank: int, stages: int, device):
     return shape, dtype
 
 
-def _run_actions(module, actions, xs, ys, meta, loss_fn, device, t0) -> tuple[list, list]:
-    """Run one stage's actions for one step; return its events and (last stage) its losses."""
+def _run_actions(module, actions, xs, ys, meta, loss_fn, device, t0,
+                 held=()) -> tuple[list, list, dict]:
+    """Run one stage's actions for one step; return its events, (last stage) its losses, and
+    the activations it held: ``{"live", "bytes", "micro"}``, the peak number of micro-batches
+    alive (forward done, backward owed), the peak bytes they kept for backward, and the bytes
+    of one micro-batch. ``held`` (the parameters, the batch) is held anyway and not counted."""
     rank, stages, m = dist.get_rank(), dist.get_world_size(), len(xs)
     first, last = rank == 0, rank == stages - 1
     inputs, outputs, losses, events = {}, {}, [], []
     sends = []  # (work, tensor): a tensor must live until its isend has completed
+    alive: dict[int, int] = {}  # micro-batch -> bytes its forward saved, until its backward runs
+    peak = {"live": 0, "bytes": 0, "micro": 0}
     for kind, i in actions:
         if kind == "F":
             if first:
@@ -554,13 +547,19 @@ def _run_actions(module, actions, xs, ys, meta, loss_fn, device, t0) -> tuple[li
                 x = torch.empty(meta[0], dtype=meta[1], device=device)
                 dist.recv(x, src=rank - 1)
                 x.requires_grad_()  # we must send d(loss)/dx back to the stage before
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
-            out = module(x)
+            with counting_saved_bytes(exclude=held) as saved:  # what autograd keeps for B i
+                out = module(x)
+                if last:
+                    # Each micro-batch loss divided by m: the m backwards add up, in .grad, to
+                    # the gradient of the whole batch's mean loss.
+                    losses.append(loss_fn(out, ys[i]) / m)
+            alive[i] = saved["bytes"]
+            peak.update(live=max(peak["live"], len(alive)),
+                        bytes=max(peak["bytes"], sum(alive.values())),
+                        micro=max(peak["micro"], saved["bytes"]))
             if last:
-                # Each micro-batch loss divided by m: the m backwards add up, in .grad, to the
-                # gradient of the whole batch's mean loss.
-                losses.append(loss_fn(out, ys[i]) / m)
                 outputs[i] = losses[-1]
             else:
                 # isend, not send: a blocking send could wait for a stage that is itself
@@ -574,18 +573,18 @@ def _run_actions(module, actions, xs, ys, meta, loss_fn, device, t0) -> tuple[li
             if not last:
                 grad = torch.empty_like(outputs[i])
                 dist.recv(grad, src=rank + 1)
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             outputs[i].backward(grad)  # accumulates into the parameters' .grad
             if not first:
                 sends.append((dist.isend(inputs[i].grad, dst=rank - 1), inputs[i].grad))
-            del inputs[i], outputs[i]  # this micro-batch's activations are freed now
-        _sync(device)
+            del inputs[i], outputs[i], alive[i]  # this micro-batch's activations are freed now
+        sync(device)
         events.append({"rank": rank, "kind": kind, "micro": i, "start": start - t0,
                        "end": time.perf_counter() - t0})
     for work, _ in sends:
         work.wait()
-    return events, losses
+    return events, losses, peak
 
 
 def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, steps: int = 1,
@@ -608,7 +607,12 @@ def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, s
 
     Returns, on every rank, ``{"events": [...all ranks' events], "loss": float, "grads": this
     rank's flat gradients (of the last step) or None, "rank", "schedule", "m"}``; an event is
-    ``{"rank", "kind": "F" or "B", "micro", "start", "end", "step"}`` in seconds.
+    ``{"rank", "kind": "F" or "B", "micro", "start", "end", "step"}`` in seconds. Lists with
+    one entry per stage say what activation memory the schedule needed: ``peak_live``, the
+    most micro-batches a stage held at once (forward done, backward not yet run: GPipe ``m``,
+    1F1B ``min(m, stages - s)`` on stage ``s``), ``peak_saved_bytes``, the most bytes autograd
+    kept for them (counted with ``saved_tensors_hooks``; the weights and the batch, held
+    anyway, left out), and ``micro_saved_bytes``, what one micro-batch's forward keeps.
 
     Example::
 
@@ -617,9 +621,7 @@ def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, s
         >>> round(measured_bubble(out[0]["events"]), 2), bubble_formula(2, 4)   # 2 CPU cores
         (0.22, 0.2)
     """
-    from ..bench import _device
-
-    device = _device()
+    device = collective_device()
     rank, stages = dist.get_rank(), dist.get_world_size()
     if batch is None:
         raise ValueError("pass batch=(x, y): the first stage reads x, the last stage y")
@@ -628,16 +630,21 @@ def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, s
     actions = _schedule(schedule, stages, m)[rank]
     if threads:
         torch.set_num_threads(threads)
-    x, y = batch
-    xs, ys = micro_batches(x.to(device), m), micro_batches(y.to(device), m)
+    x, y = (t.to(device) for t in batch)
+    xs, ys = micro_batches(x, m), micro_batches(y, m)
     module = stage_module_fn(rank, stages).to(device)
     meta = _input_meta(module, xs[0], rank, stages, device)
-    events, losses = [], []
+    # Held for the whole step whatever the schedule, so not counted as activations: the
+    # weights, and the batch (stage 0's micro-batches are views of it).
+    held = [*module.parameters(), x, y]
+    events, losses, peak = [], [], {"live": 0, "bytes": 0, "micro": 0}
     for step in range(warmup + steps):
         module.zero_grad(set_to_none=True)
-        _barrier(device)
+        barrier(device)
         t0 = time.perf_counter()
-        step_events, losses = _run_actions(module, actions, xs, ys, meta, loss_fn, device, t0)
+        step_events, losses, held_now = _run_actions(module, actions, xs, ys, meta, loss_fn,
+                                                     device, t0, held)
+        peak = {k: max(peak[k], held_now[k]) for k in peak}
         if step >= warmup:
             events += [{**e, "step": step - warmup} for e in step_events]
     # The loss lives on the last stage; send it to every rank so any rank's result is complete.
@@ -645,9 +652,12 @@ def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, s
                         device=device)
     dist.broadcast(loss, src=stages - 1)
     everyone: list = [None] * stages
-    dist.all_gather_object(everyone, events)
+    dist.all_gather_object(everyone, (events, peak))
     return {"rank": rank, "schedule": schedule if isinstance(schedule, str) else "custom",
-            "m": m, "events": [e for rank_events in everyone for e in rank_events],
+            "m": m, "events": [e for rank_events, _ in everyone for e in rank_events],
+            "peak_live": [p["live"] for _, p in everyone],
+            "peak_saved_bytes": [p["bytes"] for _, p in everyone],
+            "micro_saved_bytes": [p["micro"] for _, p in everyone],
             "loss": loss.item(), "grads": _flat_grads(module) if return_grads else None}
 
 
@@ -720,10 +730,8 @@ def pipelining_step(stage_module_fn, schedule: str = "gpipe", m: int = 4, batch=
     # Imported here: torch.distributed.pipelining takes seconds to import (it brings torch.export).
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..bench import _device
-
     classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-    device = _device()
+    device = collective_device()
     rank, stages = dist.get_rank(), dist.get_world_size()
     x, y = batch
     micro_batches(x, m)  # the same check, and message, as run_pipeline
@@ -735,10 +743,10 @@ def pipelining_step(stage_module_fn, schedule: str = "gpipe", m: int = 4, batch=
     first, last = rank == 0, rank == stages - 1
     args = (x.to(device),) if first else ()
     kwargs = {"target": y.to(device), "losses": []} if last else {}
-    _barrier(device)
+    barrier(device)
     start = time.perf_counter()
     runner.step(*args, **kwargs)
-    _sync(device)
+    sync(device)
     step_s = time.perf_counter() - start
     mean = statistics.fmean(v.item() for v in kwargs["losses"]) if last else 0.0
     loss = torch.tensor([mean], dtype=torch.float64, device=device)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit._sizes import divisors
-from labkit.bench import _device
+from labkit._dist import collective_device
+from labkit._sizes import divisors, whole
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "split_to_tp",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "dense_mlp", "tp_mlp",
@@ -183,9 +183,10 @@ def check_split(n: int, tp: int, what: str = "out_features") -> int:
 
         >>> check_split(1000, 4, "hidden size")
         250
-        >>> check_split(1000, 3, "hidden size")
+        >>> check_split(1000, 3, "hidden size")  # doctest: +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
-        ValueError: hidden size 1000 does not split over 3 ranks: use a multiple of 3 (e.g. 999 or 1002), or a TP degree that divides 1000 (e.g. 2, 4, 5, 8)
+        ValueError: hidden size 1000 does not split over 3 ranks: use a multiple of 3 (e.g. 999
+        or 1002), or a TP degree that divides 1000 (e.g. 2, 4, 5, 8)
     """
     if n % tp == 0:
         return n // tp
@@ -209,9 +210,8 @@ def _degree_and_rank(tp, group) -> tuple[int, int]:
         return size, rank
     if tp is None:
         return 1, 0
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a whole number >= 1 (ranks that share a layer), got {tp!r}")
-    return tp, 0  # no process group: build rank 0's slice, e.g. to look at the shapes
+    # no process group: build rank 0's slice, e.g. to look at the shapes
+    return whole(tp, "tp", hint=" (ranks that share a layer)"), 0
 
 
 def _check_group(layer):
@@ -417,7 +417,7 @@ def dtensor_mlp(dense: nn.Sequential, mesh=None) -> nn.Module:
 
     _check_mlp(dense)
     if mesh is None:
-        mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
+        mesh = init_device_mesh(collective_device().type, (dist.get_world_size(),))
     check_split(dense[0].out_features, mesh.size(), "hidden size")
     model = copy.deepcopy(dense).to(mesh.device_type)
     # Children of an nn.Sequential are named "0", "1", "2". Colwise shards weight rows
@@ -495,7 +495,7 @@ def tp_check(batch: int = 8, in_f: int = 16, hidden: int = 64, out_f: int = 16,
         >>> r["megatron"]["collectives"]
         {'forward': {'all_reduce': 1}, 'backward': {'all_reduce': 1}}
     """
-    device = _device()
+    device = collective_device()
     torch.manual_seed(seed)
     dense = dense_mlp(in_f, hidden, out_f).to(device)
     x = torch.randn(batch, in_f, device=device)  # every rank sees the same batch
