@@ -1,5 +1,10 @@
 """Exercise checks: each looks at what the learner built and answers pass, or not yet with a hint.
 
+This module owns the course's verdicts (:class:`Verdict`, which the capstone grader in
+:mod:`labkit.capstone` reports with too), the exercise checks (:func:`augmentation_pipeline`,
+:func:`frozen_base`) and their reference solutions (:data:`SOLUTIONS`, :func:`solution`), and
+:func:`in_band`, the printed verdict for a noisy figure (an accuracy after a short run, a time).
+
 A check never raises on a wrong answer (the notebook goes on, and runs in CI with its exercise
 cells as the learner finds them); it prints its verdict and returns a truthy or falsy
 :class:`Verdict`. Solutions stay hidden unless asked for with :func:`solution`.
@@ -8,10 +13,10 @@ cells as the learner finds them); it prints its verdict and returns a truthy or 
 from __future__ import annotations
 
 import dataclasses
+import math
 import textwrap
 
-__all__ = ["Verdict", "augmentation_pipeline", "frozen_base", "solution", "SOLUTIONS",
-           "CapstoneTask", "capstone_task", "capstone", "Assessment", "CAPSTONE_CRITERIA"]
+__all__ = ["Verdict", "augmentation_pipeline", "frozen_base", "in_band", "solution", "SOLUTIONS"]
 
 
 @dataclasses.dataclass
@@ -79,8 +84,10 @@ def augmentation_pipeline(transform, image_size: int, *, needs=("flip", "rotatio
                          f"{getattr(out, 'dtype', '')}, not a float32 tensor",
                          "end with v2.ToDtype(torch.float32, scale=True) and v2.Normalize(...)"))
     elif tuple(out.shape) != (3, image_size, image_size):
-        problems.append((f"output shape {tuple(out.shape)}, expected (3, {image_size}, {image_size})",
-                         f"resize or crop to {image_size}, e.g. v2.RandomResizedCrop({image_size})"))
+        problems.append((f"output shape {tuple(out.shape)}, expected "
+                         f"(3, {image_size}, {image_size})",
+                         f"resize or crop to {image_size}, "
+                         f"e.g. v2.RandomResizedCrop({image_size})"))
     elif all(torch.equal(outs[0], o) for o in outs[1:]):
         problems.append(("four calls gave the same image: nothing random happens",
                          "augmentation steps are random: check their probabilities and ranges"))
@@ -115,6 +122,38 @@ def frozen_base(model, base: str = "features", head: str = "classifier") -> Verd
                                     f"{trainable_head:,} head parameters train")
 
 
+def in_band(claim: str, measured: float, low: float = -math.inf, high: float = math.inf, *,
+            cause: str) -> Verdict:
+    """A printed verdict for a noisy figure: inside the band ``[low, high]`` expected, or not.
+
+    For what a short run or a busy machine moves (an accuracy after a few epochs, a gap between
+    two runs, a time): it prints the expected band, the measured value and, outside the band, the
+    likely ``cause``, and never raises, so the lesson goes on. Exact claims are ``assert``s.
+
+    Example::
+
+        >>> check.in_band("gap without augmentation", 0.48, 0.3, 1.0,
+        ...               cause="too few epochs to memorise the training images")
+        [as expected] gap without augmentation: measured 0.48, expected 0.3 to 1
+    """
+    if not low <= high:
+        raise ValueError(f"in_band needs low <= high, got low={low!r}, high={high!r}: swap them, "
+                         f"or leave one out for a one-sided band")
+    measured = float(measured)
+    if high == math.inf:
+        band = f"at least {low:g}"
+    elif low == -math.inf:
+        band = f"at most {high:g}"
+    else:
+        band = f"{low:g} to {high:g}"
+    inside = low <= measured <= high  # False for NaN too
+    verdict = Verdict(claim, inside, f"measured {measured:.3g}, expected {band}",
+                      "" if inside else f"likely cause: {cause}")
+    label = "as expected" if inside else "outside the expected band"
+    print(f"[{label}] {claim}: {verdict.detail}" + ("" if inside else f"\n  {verdict.hint}"))
+    return verdict
+
+
 SOLUTIONS = {
     "augmentation_pipeline": """
         from torchvision.transforms import v2
@@ -134,606 +173,16 @@ SOLUTIONS = {
 
 
 def solution(exercise: str) -> str:
-    """Print (and return) the reference solution of an exercise: only when you ask for it."""
+    """Print (and return) the reference solution of an exercise: only when you ask for it.
+
+    Example::
+
+        >>> check.solution("frozen_base")
+        for p in model.features.parameters():
+            p.requires_grad = False
+    """
     if exercise not in SOLUTIONS:
         raise KeyError(f"no exercise {exercise!r}: choose from {', '.join(SOLUTIONS)}")
     text = textwrap.dedent(SOLUTIONS[exercise]).strip()
     print(text)
     return text
-
-
-# ---- the capstone: a training function graded by running it ------------------------------------
-#
-# The grader never reads the learner's printed numbers. It launches the learner's per-worker
-# function itself, watches it from inside the workers (which sampler epochs were drawn, which
-# learning rates the optimizer stepped with, how large the batches were, whether the replicas
-# ended equal), then evaluates the returned model in this process on a held-out split that the
-# learner's function is never given. (Its seed is no secret: anyone can rebuild it from
-# labkit.data. The grader is there to catch mistakes, not to stop cheating.)
-
-HELD_OUT_SEED = 8  # the held-out split's seed; the learner's train/val split uses another
-CAPSTONE_CRITERIA = ("runs", "N workers", "set_epoch", "lr scaling", "augmentation", "checkpoint",
-                     "honest validation", "accuracy", "time budget")
-
-
-@dataclasses.dataclass
-class CapstoneTask:
-    """What the grader hands the learner's training function: data, hyper-parameters, paths.
-
-    ``train`` and ``val`` are :class:`labkit.data.ImageSet` splits of the digits; a third,
-    held-out split stays with the grader. ``base_lr`` is tuned for ``base_batch`` images per
-    step on one process (the given single-process script); ``eval_transform`` is how images
-    are prepared for evaluation (the grader evaluates the same way). ``checkpoint`` is where
-    the function must save the trained weights.
-    """
-
-    train: object
-    val: object
-    image_size: int
-    epochs: int
-    base_lr: float
-    base_batch: int
-    warmup_epochs: int
-    checkpoint: str
-    seed: int = 0
-
-    @property
-    def eval_transform(self):
-        from . import augment
-
-        return augment.augmentation(self.image_size, kind="none")
-
-    def __repr__(self) -> str:
-        return (f"CapstoneTask(train={len(self.train)} images, val={len(self.val)} images, "
-                f"{self.image_size}px, epochs={self.epochs}, base_lr={self.base_lr}, "
-                f"base_batch={self.base_batch}, warmup_epochs={self.warmup_epochs}, "
-                f"checkpoint={self.checkpoint!r})")
-
-
-def _capstone_splits(image_size: int, train_per_class: int | None):
-    """``(train, val, held_out)`` of the digits; held_out never reaches the learner's function."""
-    from . import data
-
-    rest, held_out = data.split(data.digits(image_size), 0.2, seed=HELD_OUT_SEED)
-    train, val = data.split(rest, 0.2, seed=0)
-    if train_per_class is not None:
-        train = data.take(train, train_per_class, seed=0)
-    return train, val, held_out
-
-
-def capstone_task(*, image_size: int = 16, epochs: int = 6, base_lr: float = 0.05,
-                  base_batch: int = 32, warmup_epochs: int = 1, train_per_class: int | None = None,
-                  checkpoint=None, seed: int = 0) -> CapstoneTask:
-    """The capstone's task: the learner's share of the digits and the single-process settings.
-
-    ``train_per_class`` keeps that many training images per class (smaller, faster runs).
-    ``checkpoint`` defaults to a file in a fresh temporary folder.
-
-    Example::
-
-        >>> task = capstone_task(epochs=4)
-        >>> task
-        CapstoneTask(train=1151 images, val=287 images, 16px, epochs=4, base_lr=0.05, ...)
-    """
-    import tempfile
-    from pathlib import Path
-
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 2:
-        raise ValueError(f"epochs must be a whole number >= 2 (with one epoch, whether the "
-                         f"sampler's epoch was set cannot be seen), got {epochs!r}")
-    if not base_lr > 0 or isinstance(base_batch, bool) or not isinstance(base_batch, int) \
-            or base_batch < 1:
-        raise ValueError(f"need base_lr > 0 and a whole base_batch >= 1, got {base_lr!r}, "
-                         f"{base_batch!r}")
-    if not 0 <= warmup_epochs < epochs:
-        raise ValueError(f"warmup_epochs must lie in 0..{epochs - 1}, got {warmup_epochs!r}")
-    train, val, _ = _capstone_splits(image_size, train_per_class)
-    if checkpoint is None:
-        checkpoint = Path(tempfile.mkdtemp(prefix="labkit-capstone-")) / "checkpoint.pt"
-    return CapstoneTask(train, val, image_size, epochs, float(base_lr), base_batch,
-                        warmup_epochs, str(checkpoint), seed)
-
-
-def _capstone_observe(train_fn, task: CapstoneTask) -> dict:
-    """Worker side: run ``train_fn(task)`` while recording what it really does.
-
-    Recorded per rank: the world size; every DistributedSampler pass (its epoch, dataset size,
-    shuffle); the learning rate of every optimizer step and the batch of the forward pass
-    before it; the samples evaluated in eval mode; whether DDP wrapped a model; the transforms
-    handed to labkit's datasets and whether ``gpu_augment`` ran; hashes of the first training
-    batches (ranks that split the data see different ones); a hash of the returned model's
-    parameters (replicas that averaged their gradients end bit-identical). Everything patched
-    is restored when the function returns or raises.
-    """
-    import hashlib
-    import time
-
-    import torch
-    import torch.distributed as dist
-    from torch.nn.modules import module as nn_module
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from torch.utils.data.distributed import DistributedSampler
-
-    from . import augment, data
-
-    rec = {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "sampler_passes": [],
-           "steps": [], "eval_samples": 0, "train_samples": 0, "ddp_wrapped": 0,
-           "transforms": [], "gpu_augment": 0, "batch_hashes": [], "eval_hashes": set()}
-    state = {"depth": 0, "batch": None}
-    originals = {}
-
-    def patch(owner, name, make):
-        originals[owner, name] = getattr(owner, name)
-        setattr(owner, name, make(originals[owner, name]))
-
-    def sampler_iter(orig):
-        def __iter__(self):
-            # The epoch at the start of a pass is what shuffles it: whether or not set_epoch
-            # was called, this is the truth (subclasses that call super().__iter__ included).
-            rec["sampler_passes"].append({"id": id(self), "epoch": int(self.epoch),
-                                          "size": len(self.dataset), "shuffle": self.shuffle})
-            return orig(self)
-        return __iter__
-
-    def ddp_init(orig):
-        def __init__(self, *args, **kwargs):
-            rec["ddp_wrapped"] += 1
-            orig(self, *args, **kwargs)
-        return __init__
-
-    def dataset_init(orig):
-        def __init__(self, imageset, transform=None):
-            steps = [type(t).__name__ for t in getattr(transform, "transforms", [transform])
-                     if t is not None]
-            rec["transforms"].append({"size": len(imageset), "steps": steps})
-            orig(self, imageset, transform)
-        return __init__
-
-    def check_batch(orig):
-        def _check_batch(*args, **kwargs):
-            rec["gpu_augment"] += 1  # gpu_augment calls this first, whatever name it was imported as
-            return orig(*args, **kwargs)
-        return _check_batch
-
-    def pre_forward(module, inputs):
-        # Only the outermost call with parameters counts: DDP's inner module, the layers, and a
-        # parameter-free loss module are not "the model".
-        state["depth"] += 1
-        if state["depth"] == 1 and inputs and isinstance(inputs[0], torch.Tensor) \
-                and next(module.parameters(), None) is not None:
-            n = int(inputs[0].shape[0]) if inputs[0].dim() else 1
-            if module.training:
-                state["batch"] = n
-                rec["train_samples"] += n
-                if len(rec["batch_hashes"]) < 3:  # did the ranks see different data?
-                    rec["batch_hashes"].append(hashlib.sha1(
-                        inputs[0].detach().cpu().contiguous().numpy().tobytes()).hexdigest())
-            else:
-                rec["eval_samples"] += n
-                if len(rec["eval_hashes"]) < _MAX_EVAL_HASHES:  # which images were evaluated?
-                    rec["eval_hashes"].update(_row_hashes(inputs[0]))
-
-    def post_forward(module, inputs, output):
-        state["depth"] -= 1
-
-    def step_pre(optimizer, args, kwargs):
-        rec["steps"].append({"lr": float(optimizer.param_groups[0]["lr"]),
-                             "batch": state["batch"]})
-
-    patch(DistributedSampler, "__iter__", sampler_iter)
-    patch(DistributedDataParallel, "__init__", ddp_init)
-    patch(data._torch_dataset_class(), "__init__", dataset_init)
-    patch(augment, "_check_batch", check_batch)
-    hooks = [nn_module.register_module_forward_pre_hook(pre_forward),
-             nn_module.register_module_forward_hook(post_forward, always_call=True),
-             register_optimizer_step_pre_hook(step_pre)]
-    start = time.perf_counter()
-    try:
-        result = train_fn(task)
-    finally:
-        rec["seconds"] = time.perf_counter() - start
-        for h in hooks:
-            h.remove()
-        for (owner, name), value in originals.items():
-            setattr(owner, name, value)
-    rec["returned"] = type(result).__name__
-    model = result.get("model") if isinstance(result, dict) else None
-    model = getattr(model, "module", model)  # a DDP wrapper does not travel: its module does
-    if isinstance(model, torch.nn.Module):
-        blob = hashlib.sha256()
-        for p in model.parameters():
-            blob.update(p.detach().cpu().contiguous().numpy().tobytes())
-        rec["param_hash"] = blob.hexdigest()
-        rec["param_sums"] = [float(p.detach().double().sum()) for p in model.parameters()]
-    if isinstance(result, dict):
-        rec["val_acc"] = result.get("val_acc")
-        if rec["rank"] == 0:
-            rec["model"] = model.cpu() if isinstance(model, torch.nn.Module) else model
-    return rec
-
-
-_MAX_EVAL_HASHES = 200_000
-
-
-def _row_hashes(batch) -> set:
-    """A short hash of every image in ``batch``: the same prepared image, the same hash."""
-    import hashlib
-
-    rows = batch.detach().cpu().contiguous()
-    return {hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in rows}
-
-
-def _accuracy(model, imageset, transform, hashes: set | None = None) -> float:
-    """The model's accuracy on ``imageset``, evaluated here, in eval mode, without gradients.
-
-    ``hashes``, when given, collects each prepared image's :func:`_row_hashes` entry.
-    """
-    import torch
-    from torch.utils.data import DataLoader
-
-    from . import data
-
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        for x, y in DataLoader(data.to_torch(imageset, transform), batch_size=256):
-            correct += (model(x).argmax(1) == y).sum().item()
-            if hashes is not None:
-                hashes.update(_row_hashes(x))
-    return correct / len(imageset)
-
-
-@dataclasses.dataclass
-class Assessment(Verdict):
-    """The capstone's overall verdict, with one :class:`Verdict` per criterion and the figures.
-
-    Truthy when every criterion passed; ``failed`` names the ones that did not; ``figures``
-    holds what the grader measured (world size, held-out accuracy, seconds, ...).
-    """
-
-    criteria: list = dataclasses.field(default_factory=list)
-    figures: dict = dataclasses.field(default_factory=dict)
-    name: str = ""
-
-    @property
-    def failed(self) -> list[str]:
-        return [c.exercise for c in self.criteria if not c.passed]
-
-    def __repr__(self) -> str:  # the printed report says it all; a short echo in notebooks
-        return f"Assessment(passed={self.passed}, failed={self.failed})"
-
-    def __str__(self) -> str:
-        lines = [str(c) for c in self.criteria]
-        if not self.passed:
-            return (f"[not yet] capstone: {len(self.failed)} of {len(self.criteria)} criteria "
-                    f"not met ({', '.join(self.failed)})\n" + "\n".join(lines))
-        return _certificate(self)
-
-
-def _certificate(a: Assessment) -> str:
-    import datetime
-
-    f = a.figures
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    rule = "=" * 78
-    body = [rule, "  labkit · certificate of completion".center(78),
-            "Capstone: a single-process script converted to data-parallel training".center(78),
-            "", f"  awarded to  {a.name}", f"  on          {now}", "",
-            f"  all {len(a.criteria)} criteria met:"]
-    body += [f"    [pass] {c.exercise}: {c.detail}" for c in a.criteria]
-    body += ["", f"  {f['world_size']} workers, global batch {f['global_batch']}, peak lr "
-                 f"{f['peak_lr']:.4g}; held-out accuracy {f['held_out_acc']:.3f} (target "
-                 f"{f['target']:.2f}); {f['seconds']:.1f} s of a {f['time_budget']:g} s budget; "
-                 f"{f['samples_per_s']:.0f} training samples/s", rule]
-    return "\n".join(body)
-
-
-def capstone(train_fn, task: CapstoneTask, *, nproc: int = 2, target: float = 0.9,
-             time_budget: float = 300.0, name: str | None = None,
-             show_ranks=(0,)) -> Assessment:
-    """Grade the capstone: launch ``train_fn(task)`` on ``nproc`` workers and check what it did.
-
-    ``train_fn`` is the learner's per-worker function; every rank returns
-    ``{"model": model, "val_acc": accuracy on task.val}``. The grader runs it under
-    ``labkit.launch``, records from inside the workers what really happened, then evaluates the
-    returned model itself on a held-out split the function never saw. Criteria, each a
-    :class:`Verdict` with a hint:
-
-    - **runs**: every rank finished and returned that dict;
-    - **N workers**: more than one worker, whose replicas ended bit-identical (gradients
-      averaged: DDP);
-    - **set_epoch**: the training data came through a DistributedSampler whose epoch changed
-      every epoch;
-    - **lr scaling**: the peak learning rate is ``base_lr x global batch / base_batch``
-      (within 10 %), reached after a warm-up from lower values;
-    - **augmentation**: the training images went through a random transform (or
-      ``labkit.augment.gpu_augment``);
-    - **checkpoint**: ``task.checkpoint`` exists and loads into the returned model;
-    - **honest validation**: the reported ``val_acc`` is the model's accuracy on ``task.val``
-      (the grader re-evaluates it, to within two images or 1 %); one that equals the training
-      split's accuracy instead is named as such (when the two splits score alike, the grader
-      cannot tell them apart, and the held-out accuracy is what counts);
-    - **accuracy**: held-out accuracy >= ``target``;
-    - **time budget**: the whole run, as the grader timed it, took at most ``time_budget`` s.
-
-    A wrong answer never raises: the verdicts say what is missing. Bad input (a function that
-    is not callable, a task not from :func:`capstone_task`, an invalid ``nproc``) is an error.
-    Returns an :class:`Assessment` (truthy when all criteria pass) and prints it; a pass prints
-    a certificate.
-
-    Example::
-
-        >>> task = capstone_task(epochs=6)
-        >>> result = capstone(train_ddp, task, nproc=2, target=0.9, time_budget=300)
-        [pass] N workers: 2 workers, replicas bit-identical after training (DDP)
-        ...
-    """
-    if not callable(train_fn):
-        raise TypeError(f"capstone() grades a function: pass your per-worker training function "
-                        f"itself, e.g. capstone(train_ddp, task), not a "
-                        f"{type(train_fn).__name__}")
-    if not isinstance(task, CapstoneTask):
-        raise TypeError(f"task must come from labkit.check.capstone_task(...), got "
-                        f"{type(task).__name__}")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a whole number of workers >= 1 (2 or more for data "
-                         f"parallelism), got {nproc!r}: e.g. capstone(train_ddp, task, nproc=2)")
-    if not 0 < target <= 1:
-        raise ValueError(f"target is an accuracy in (0, 1], got {target!r}")
-    if not time_budget > 0:
-        raise ValueError(f"time_budget is a number of seconds > 0, got {time_budget!r}")
-    import getpass
-    import os
-    import time
-
-    from .launcher import LaunchError, LaunchTimeout, launch
-
-    name = name or os.environ.get("JUPYTERHUB_USER") or getpass.getuser()
-    figures = {"world_size": nproc, "target": target, "time_budget": time_budget}
-    if os.path.exists(task.checkpoint):
-        os.remove(task.checkpoint)  # a file from an earlier run proves nothing about this one
-    start = time.perf_counter()
-    try:
-        # Twice the budget (and a minute) before the run is stopped: over budget is a verdict,
-        # a hang must still end.
-        records = launch(_capstone_observe, train_fn, task, nproc=nproc, show_ranks=list(show_ranks),
-                         timeout=max(2 * time_budget, time_budget + 60)).values
-    except LaunchTimeout as exc:
-        seconds = time.perf_counter() - start
-        return _assessment(name, figures, [Verdict(
-            "runs", False, f"stopped after {seconds:.0f} s, far past the {time_budget:g} s "
-                           f"budget; stuck rank(s): {exc.stuck}",
-            "a rank waits in a collective the others skipped (an all_reduce or barrier on one "
-            "rank only?), or the run is far too slow for the budget")])
-    except LaunchError as exc:
-        print(exc)  # the learner's traceback, as launch would have shown it
-        lines = str(exc).strip().splitlines()
-        return _assessment(name, figures, [Verdict(
-            "runs", False, f"rank {exc.rank} raised: " + (lines[-1] if lines else type(exc).__name__),
-            "run your function on one small case first; the traceback above names the line")])
-    figures["seconds"] = time.perf_counter() - start
-    return _grade(records, task, name, figures)
-
-
-def _assessment(name: str, figures: dict, criteria: list[Verdict]) -> Assessment:
-    failed = [c for c in criteria if not c.passed]
-    detail = (f"all {len(criteria)} criteria met" if not failed
-              else f"{len(failed)} of {len(criteria)} criteria not met")
-    hint = failed[0].hint if failed else ""
-    a = Assessment("capstone", not failed, detail, hint, criteria=criteria, figures=figures,
-                   name=name)
-    print(a)
-    return a
-
-
-def _grade(records: list[dict], task: CapstoneTask, name: str, figures: dict) -> Assessment:
-    zero = records[0]
-    bad = [r["rank"] for r in records
-           if r["returned"] != "dict" or "param_hash" not in r or r.get("val_acc") is None]
-    if bad or not hasattr(zero.get("model"), "parameters"):
-        return _assessment(name, figures, [Verdict(
-            "runs", False, f"rank(s) {bad or [0]} returned {records[(bad or [0])[0]]['returned']} "
-                           f"without a model and a val_acc",
-            'end your function with: return {"model": model.module, "val_acc": val_acc} '
-            "(on every rank)")])
-    model = zero["model"]
-    world = zero["world_size"]
-    steps = zero["steps"]
-    batch = max((s["batch"] or 0 for s in steps), default=0)
-    figures.update(world_size=world, global_batch=batch * world,
-                   peak_lr=max((s["lr"] for s in steps), default=0.0),
-                   samples_per_s=sum(r["train_samples"] for r in records)
-                   / max(r["seconds"] for r in records))
-    criteria = [Verdict("runs", True, f"{world} rank(s) finished in {figures['seconds']:.1f} s "
-                                      f"and returned a model")]
-    criteria.append(_crit_workers(records))
-    criteria.append(_crit_set_epoch(zero, task))
-    criteria.append(_crit_lr(steps, task, world))
-    criteria.append(_crit_augmentation(records, task))
-    criteria.append(_crit_checkpoint(model, task))
-    held_out = _capstone_splits(task.image_size, None)[2]
-    figures["held_out_acc"] = held = _accuracy(model, held_out, task.eval_transform)
-    criteria.append(_crit_validation(model, zero, records, task, figures))
-    criteria.append(Verdict(
-        "accuracy", held >= figures["target"],
-        f"{held:.3f} on {len(held_out)} held-out images the function never saw (target "
-        f"{figures['target']:.2f})",
-        "train longer (more epochs), check the learning rate and its warm-up, and that the "
-        "replicas train together; compare with the single-process script's accuracy"))
-    within = figures["seconds"] <= figures["time_budget"]
-    criteria.append(Verdict(
-        "time budget", within, f"{figures['seconds']:.1f} s of {figures['time_budget']:g} s",
-        "evaluate once at the end rather than every step, keep DataLoader work light, and "
-        "check that each rank trains on 1/N of the data per epoch"))
-    return _assessment(name, figures, criteria)
-
-
-def _crit_workers(records) -> Verdict:
-    world = records[0]["world_size"]
-    if world < 2:
-        return Verdict("N workers", False, "the run had a single worker (world_size 1)",
-                       "grade it on two or more workers: capstone(train_ddp, task, nproc=2)")
-    batches = {tuple(r["batch_hashes"]) for r in records}
-    if len(batches) == 1 and records[0]["batch_hashes"]:
-        return Verdict("N workers", False,
-                       f"the {world} workers trained on the same batches: each did the whole "
-                       f"job, as {world} copies of one process",
-                       "give each rank its share of every epoch with a DistributedSampler, and "
-                       "wrap the model in DistributedDataParallel so the shares add up")
-    hashes = {r["param_hash"] for r in records}
-    if len(hashes) > 1:
-        drift = max(abs(a - b) for r in records[1:]
-                    for a, b in zip(records[0]["param_sums"], r["param_sums"], strict=False))
-        wrapped = any(r["ddp_wrapped"] for r in records)
-        return Verdict("N workers", False,
-                       f"{world} workers trained {len(hashes)} different models (parameter sums "
-                       f"differ by up to {drift:.3g}): the gradients were not averaged",
-                       "wrap the model in DistributedDataParallel(model) and train that"
-                       if not wrapped else "train the DDP-wrapped model (call ddp_model(x), not "
-                       "model(x)), and give every rank the same seed before building the model")
-    return Verdict("N workers", True, f"{world} workers, replicas bit-identical after training"
-                                      f"{' (DDP)' if records[0]['ddp_wrapped'] else ''}")
-
-
-def _crit_set_epoch(rec, task) -> Verdict:
-    passes = rec["sampler_passes"]
-    if not passes:
-        return Verdict("set_epoch", False, "no DistributedSampler drew the training data: every "
-                       "rank may have trained on all of it",
-                       "load the training set with DataLoader(..., sampler=DistributedSampler("
-                       "train_ds, shuffle=True)) so each rank gets its 1/N share")
-    by_sampler: dict = {}
-    for p in passes:
-        by_sampler.setdefault(p["id"], []).append(p)
-    # The training sampler: the one over the training set's size, else the most used.
-    train = [v for v in by_sampler.values() if v[0]["size"] == len(task.train)] \
-        or sorted(by_sampler.values(), key=len)[-1:]
-    runs = max(train, key=len)
-    epochs = [p["epoch"] for p in runs]
-    if not runs[0]["shuffle"]:
-        return Verdict("set_epoch", False, "the training DistributedSampler has shuffle=False: "
-                       "every epoch draws the same order",
-                       "use DistributedSampler(train_ds, shuffle=True) and call "
-                       "sampler.set_epoch(epoch) each epoch")
-    if len(epochs) >= 2 and len(set(epochs)) < len(epochs):
-        return Verdict("set_epoch", False, f"the training sampler's epoch over {len(epochs)} "
-                       f"passes was {epochs}: every epoch replayed the same shuffled order",
-                       "call sampler.set_epoch(epoch) at the start of every epoch, before "
-                       "iterating the DataLoader")
-    return Verdict("set_epoch", True, f"DistributedSampler over {runs[0]['size']} images, "
-                                      f"epochs {epochs}")
-
-
-def _crit_lr(steps, task, world) -> Verdict:
-    if not steps:
-        return Verdict("lr scaling", False, "no optimizer step was seen",
-                       "train with a torch.optim optimizer and call optimizer.step()")
-    lrs = [s["lr"] for s in steps]
-    batch = max(s["batch"] or 0 for s in steps) or task.base_batch
-    global_batch = batch * world
-    expected = task.base_lr * global_batch / task.base_batch
-    peak = max(lrs)
-    rule = (f"base_lr {task.base_lr:g} x global batch {global_batch} ({world} x {batch}) / "
-            f"base_batch {task.base_batch} = {expected:.4g}")
-    if abs(peak / expected - 1) > 0.1:
-        said = (" (the single-process learning rate, unscaled)"
-                if abs(peak / task.base_lr - 1) <= 0.1 and world > 1 else "")
-        return Verdict("lr scaling", False, f"peak learning rate {peak:.4g}{said}; expected "
-                       f"{rule}",
-                       "scale the learning rate linearly with the global batch "
-                       "(labkit.train.linear_scaled_lr) and ramp up to it "
-                       "(labkit.train.warmup_lr)")
-    if task.warmup_epochs and lrs[0] >= peak * 0.99:
-        return Verdict("lr scaling", False, f"the first step already used the peak rate "
-                       f"{peak:.4g}: no warm-up",
-                       f"warm up: start lower and ramp to {expected:.4g} over the first "
-                       f"{max(task.warmup_epochs, 1)} epoch(s) (labkit.train.warmup_lr per step)")
-    reached = next(i for i, lr in enumerate(lrs) if lr >= peak * 0.99)
-    ramp = f"warm-up from {lrs[0]:.4g} to {peak:.4g} over {reached + 1} steps" if reached \
-        else f"peak {peak:.4g} from the first step (no warm-up asked)"
-    return Verdict("lr scaling", True, f"{ramp}; {rule}")
-
-
-_RANDOM_STEPS = ("Random", "ColorJitter", "RandAugment", "AutoAugment", "TrivialAugmentWide",
-                 "AugMix", "ElasticTransform", "GaussianBlur")
-
-
-def _crit_augmentation(records, task) -> Verdict:
-    if any(r["gpu_augment"] for r in records):
-        return Verdict("augmentation", True, "labkit.augment.gpu_augment on the training batches")
-    random_steps = sorted({s for r in records for t in r["transforms"] for s in t["steps"]
-                           if s.startswith(_RANDOM_STEPS)})
-    if random_steps:
-        return Verdict("augmentation", True, f"training images through {', '.join(random_steps)}")
-    return Verdict("augmentation", False, "no random transform on the training images",
-                   "build the training set with data.to_torch(task.train, "
-                   "augment.augmentation(task.image_size, config=...)) (no flips for digits)")
-
-
-def _crit_checkpoint(model, task) -> Verdict:
-    import copy
-    import os
-
-    import torch
-
-    path = task.checkpoint
-    if not os.path.isfile(path):
-        return Verdict("checkpoint", False, f"no file at task.checkpoint ({path})",
-                       "save on rank 0: labkit.ddp.save_on_rank0({'model': model.module."
-                       "state_dict()}, task.checkpoint)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            state = state["model"]
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-        copy.deepcopy(model).load_state_dict(state)
-    except Exception as exc:  # any way the file fails to load is the learner's to fix
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return Verdict("checkpoint", False, f"{path} does not load into the model: {first}",
-                       "save the unwrapped model's state dict: model.module.state_dict()")
-    return Verdict("checkpoint", True, f"{os.path.basename(path)} loads into the model "
-                                       f"({os.path.getsize(path) / 1e6:.1f} MB)")
-
-
-def _crit_validation(model, zero, records, task, figures) -> Verdict:
-    reported = float(zero["val_acc"])
-    val_hashes, train_hashes = set(), set()
-    on_val = _accuracy(model, task.val, task.eval_transform, val_hashes)
-    on_train = _accuracy(model, task.train, task.eval_transform, train_hashes)
-    figures.update(reported_val_acc=reported, val_acc=on_val, train_acc=on_train)
-    # Which images did the learner's evaluation see? Prepared with task.eval_transform, each is
-    # bit-identical to the grader's, so their hashes say which split they came from (a few
-    # digits occur in both splits: only images of one split alone count).
-    seen = set().union(*(r["eval_hashes"] for r in records))
-    val_seen = len(seen & (val_hashes - train_hashes))
-    train_seen = len(seen & (train_hashes - val_hashes))
-    # Within two images (or 1 %): ranks may evaluate with slightly different BatchNorm
-    # statistics and batch sizes, which can flip an image or two.
-    tol = max(2 / len(task.val), 0.01)
-    if len({r["param_hash"] for r in records}) > 1:
-        return Verdict("honest validation", False,
-                       f"reported val_acc {reported:.3f} ({on_val:.3f} for rank 0's model): the "
-                       f"ranks hold different models, so no one model has the reported accuracy",
-                       "fix 'N workers' first: with averaged gradients every rank holds the same "
-                       "model")
-    on_training_split = Verdict(
-        "honest validation", False,
-        f"the reported val_acc {reported:.3f} was measured on the training split "
-        f"({train_seen} training images evaluated, {val_seen} validation images; accuracy "
-        f"{on_train:.3f} there, {on_val:.3f} on task.val)",
-        "evaluate on task.val (with task.eval_transform), never on the images the model "
-        "trained on")
-    if train_seen and not val_seen:  # the evaluation saw training images only
-        return on_training_split
-    if abs(reported - on_val) <= tol:
-        return Verdict("honest validation", True, f"reported {reported:.3f}, the grader measured "
-                       f"{on_val:.3f} on task.val ({val_seen} of {len(task.val)} validation "
-                       f"images seen in eval mode)")
-    if abs(reported - on_train) <= max(2 / len(task.train), 0.01):
-        return on_training_split
-    return Verdict("honest validation", False,
-                   f"reported val_acc {reported:.3f}, but the model scores {on_val:.3f} on "
-                   f"task.val",
-                   "report the accuracy over the whole validation split: each rank counts "
-                   "its share, then all_reduce the counts (correct, seen)")

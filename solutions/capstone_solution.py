@@ -3,7 +3,7 @@
 Kept apart from the learner's notebook (``notebooks/08_capstone.ipynb``); the solution notebook
 ``solutions/08_capstone_solution.ipynb`` and ``tests/test_capstone.py`` import it.
 
-``train_ddp(task)`` runs on every worker that ``labkit.launch`` starts (``labkit.check.capstone``
+``train_ddp(task)`` runs on every worker that ``labkit.launch`` starts (``labkit.capstone.capstone``
 grades it that way). Next to it are the known mistakes the grader must catch, each the
 solution with one thing wrong, as a learner would write it:
 
@@ -72,7 +72,8 @@ def evaluate(model, task, rank: int, world: int, device) -> float:
         # range(rank, n, world), not a DistributedSampler: that one pads by repeating images.
         for x, y in DataLoader(Subset(val_ds, range(rank, len(val_ds), world)), batch_size=256):
             x, y = x.to(device), y.to(device)
-            counts += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+            seen = torch.tensor(len(y), device=device)
+            counts += torch.stack([(model(x).argmax(1) == y).sum(), seen])
     dist.all_reduce(counts)
     return (counts[0] / counts[1]).item()
 
@@ -83,8 +84,8 @@ def train_ddp(task, width: int = WIDTH) -> dict:
 
     Example::
 
-        >>> task = labkit.check.capstone_task(epochs=6)
-        >>> labkit.check.capstone(train_ddp, task, nproc=2)
+        >>> task = labkit.capstone.capstone_task(epochs=6)
+        >>> labkit.capstone.capstone(train_ddp, task, nproc=2)
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = train.pick_device()  # this rank's GPU, or the CPU

@@ -1,4 +1,4 @@
-"""labkit.check.capstone: the grader passes the reference solution and fails each known mistake.
+"""labkit.capstone: the grader passes the reference solution and fails each known mistake.
 
 The solution and its mistakes live in solutions/capstone_solution.py. The runs here are tiny
 (200 training images, two epochs, a narrow network, two ranks): they prove the grader's
@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import check
+from labkit import capstone
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "solutions"))
@@ -28,11 +28,11 @@ BUDGET = 240.0
 
 @pytest.fixture
 def task(tmp_path):
-    return check.capstone_task(**TINY, checkpoint=tmp_path / "ckpt.pt")
+    return capstone.capstone_task(**TINY, checkpoint=tmp_path / "ckpt.pt")
 
 
 def grade(fn, task, nproc=2):
-    return check.capstone(functools.partial(fn, width=4), task, nproc=nproc, target=TARGET,
+    return capstone.capstone(functools.partial(fn, width=4), task, nproc=nproc, target=TARGET,
                           time_budget=BUDGET)
 
 
@@ -41,26 +41,26 @@ def grade(fn, task, nproc=2):
 
 def test_bad_input_is_an_error_that_says_what_to_do(task):
     with pytest.raises(TypeError, match="pass your per-worker training function"):
-        check.capstone("train_ddp", task)
+        capstone.capstone("train_ddp", task)
     with pytest.raises(TypeError, match="capstone_task"):
-        check.capstone(solution.train_ddp, {"epochs": 2})
+        capstone.capstone(solution.train_ddp, {"epochs": 2})
     for nproc in (0, -1, 1.5, "2", True):
         with pytest.raises(ValueError, match="nproc must be a whole number"):
-            check.capstone(solution.train_ddp, task, nproc=nproc)
+            capstone.capstone(solution.train_ddp, task, nproc=nproc)
     with pytest.raises(ValueError, match="target is an accuracy"):
-        check.capstone(solution.train_ddp, task, target=90)
+        capstone.capstone(solution.train_ddp, task, target=90)
     with pytest.raises(ValueError, match="time_budget"):
-        check.capstone(solution.train_ddp, task, time_budget=0)
+        capstone.capstone(solution.train_ddp, task, time_budget=0)
     with pytest.raises(ValueError, match="epochs must be a whole number >= 2"):
-        check.capstone_task(epochs=1)
+        capstone.capstone_task(epochs=1)
 
 
 def test_the_task_keeps_the_held_out_split_apart(task):
     from labkit import data
 
-    train, val, held_out = check._capstone_splits(task.image_size, None)
-    seen = {data.fingerprint(s[i:i + 1]) for s in (train, val) for i in range(len(s))}
-    assert not any(data.fingerprint(held_out[i:i + 1]) in seen for i in range(len(held_out)))
+    train, val, held_out = capstone._capstone_splits(task.image_size, None)
+    seen = {data.content_hash(s[i:i + 1]) for s in (train, val) for i in range(len(s))}
+    assert not any(data.content_hash(held_out[i:i + 1]) in seen for i in range(len(held_out)))
     assert len(train) + len(val) + len(held_out) == 1797
     assert len(task.train) == 200 and len(task.val) == len(val)
     images = [v for v in vars(task).values() if isinstance(v, data.ImageSet)]
@@ -85,49 +85,101 @@ def records(rank=0, **changes):
 
 
 def test_set_epoch_is_read_from_the_sampler_passes(task):
-    assert check._crit_set_epoch(records(), task)
+    assert capstone._crit_set_epoch(records(), task)
     stuck = records(sampler_passes=[{"id": 1, "epoch": 0, "size": 200, "shuffle": True}] * 3)
-    verdict = check._crit_set_epoch(stuck, task)
+    verdict = capstone._crit_set_epoch(stuck, task)
     assert not verdict and "[0, 0, 0]" in verdict.detail and "set_epoch(epoch)" in verdict.hint
-    verdict = check._crit_set_epoch(records(sampler_passes=[]), task)
+    verdict = capstone._crit_set_epoch(records(sampler_passes=[]), task)
     assert not verdict and "no DistributedSampler" in verdict.detail
 
 
 def test_lr_must_be_scaled_with_the_global_batch_and_warmed_up(task):
     base = task.base_lr  # 0.05 for base_batch 16; two workers x 16 -> 0.1
-    assert check._crit_lr(records()["steps"], task, 2)
+    assert capstone._crit_lr(records()["steps"], task, 2)
     unscaled = [{"lr": lr, "batch": 16} for lr in (0.01, 0.03, base, base)]
-    verdict = check._crit_lr(unscaled, task, 2)
+    verdict = capstone._crit_lr(unscaled, task, 2)
     assert not verdict and "unscaled" in verdict.detail and "linear_scaled_lr" in verdict.hint
     cold = [{"lr": 0.1, "batch": 16}] * 4
-    verdict = check._crit_lr(cold, task, 2)
+    verdict = capstone._crit_lr(cold, task, 2)
     assert not verdict and "no warm-up" in verdict.detail
     # Keeping the global batch (8 per worker) needs no scaling: the rule is the batch ratio.
-    assert check._crit_lr([{"lr": lr, "batch": 8} for lr in (0.01, base)], task, 2)
+    assert capstone._crit_lr([{"lr": lr, "batch": 8} for lr in (0.01, base)], task, 2)
     # A task that asks for no warm-up does not get one demanded.
-    assert check._crit_lr(cold, dataclasses.replace(task, warmup_epochs=0), 2)
+    assert capstone._crit_lr(cold, dataclasses.replace(task, warmup_epochs=0), 2)
 
 
 def test_replicas_that_differ_fail_the_workers_criterion():
-    assert check._crit_workers([records(), records(rank=1)])
-    verdict = check._crit_workers([records(ddp_wrapped=0),
-                                   records(rank=1, param_hash="b", param_sums=[2.0], ddp_wrapped=0)])
-    assert not verdict and "not averaged" in verdict.detail and "DistributedDataParallel" in verdict.hint
-    assert not check._crit_workers([records(world_size=1)])
-    same = check._crit_workers([records(batch_hashes=["x"]), records(rank=1, batch_hashes=["x"])])
+    assert capstone._crit_workers([records(), records(rank=1)])
+    verdict = capstone._crit_workers([records(ddp_wrapped=0),
+                                      records(rank=1, param_hash="b", param_sums=[2.0],
+                                              ddp_wrapped=0)])
+    assert not verdict and "not averaged" in verdict.detail
+    assert "DistributedDataParallel" in verdict.hint
+    assert not capstone._crit_workers([records(world_size=1)])
+    same = capstone._crit_workers([records(batch_hashes=["x"]),
+                                   records(rank=1, batch_hashes=["x"])])
     assert not same and "the same batches" in same.detail
 
 
 def test_no_random_transform_fails_augmentation(task):
-    assert check._crit_augmentation([records()], task)
+    assert capstone._crit_augmentation([records()], task)
     plain = records(transforms=[{"size": 200, "steps": ["Resize", "ToDtype", "Normalize"]}])
-    assert not check._crit_augmentation([plain], task)
-    assert check._crit_augmentation([records(transforms=[], gpu_augment=3)], task)
+    assert not capstone._crit_augmentation([plain], task)
+    assert capstone._crit_augmentation([records(transforms=[], gpu_augment=3)], task)
 
 
 def test_a_function_that_returns_nothing_is_told_what_to_return(task, capsys):
-    verdict = check._grade([records(returned="NoneType", val_acc=None)], task, "ada", {})
+    verdict = capstone._grade([records(returned="NoneType", val_acc=None)], task, "ada", {})
     assert not verdict and verdict.failed == ["runs"] and "return {" in verdict.criteria[0].hint
+
+
+# ---- the recorder, in this process (no worker starts) ------------------------------------------
+
+
+def test_the_recorder_sees_what_training_does_and_leaves_nothing_behind():
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from labkit import augment, data
+
+    original_iter = DistributedSampler.__iter__
+    images = data.take(data.digits(8), 2)  # 20 images
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recorder = capstone.Recorder(rank=0, world_size=2)
+    with recorder.watching():
+        train_ds = data.to_torch(images, augment.augmentation(8, config=augment.AugmentConfig()))
+        sampler = DistributedSampler(train_ds, num_replicas=2, rank=0, shuffle=True)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            for x, y in DataLoader(train_ds, batch_size=5, sampler=sampler):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        augment.gpu_augment(torch.rand(2, 3, 8, 8))
+        model.eval()
+        with torch.no_grad():
+            model(next(iter(DataLoader(data.to_torch(images), batch_size=6)))[0])
+    recorder.on_result({"model": model, "val_acc": 0.5})
+    rec = recorder.record
+    assert [(p["epoch"], p["size"], p["shuffle"]) for p in rec["sampler_passes"]] == \
+        [(0, 20, True), (1, 20, True)]
+    assert rec["steps"] == [{"lr": 0.1, "batch": 5}] * 4 and rec["train_samples"] == 20
+    assert len(rec["batch_hashes"]) == 3 and rec["gpu_augment"] == 1
+    assert [t["size"] for t in rec["transforms"]] == [20, 20]
+    assert "RandomResizedCrop" in rec["transforms"][0]["steps"]
+    assert not rec["transforms"][1]["steps"]
+    assert rec["eval_samples"] == 6 and len(rec["eval_hashes"]) == 6
+    assert rec["returned"] == "dict" and rec["val_acc"] == 0.5 and rec["model"] is model
+    assert len(rec["param_hash"]) == 64 and len(rec["param_sums"]) == 2
+
+    # Everything is removed on the way out, also when the function raises.
+    with pytest.raises(RuntimeError, match="kaput"), recorder.watching():
+        raise RuntimeError("kaput")
+    assert DistributedSampler.__iter__ is original_iter
+    data.to_torch(images)
+    augment.gpu_augment(torch.rand(2, 3, 8, 8))
+    opt.step()
+    assert len(rec["transforms"]) == 2 and rec["gpu_augment"] == 1 and len(rec["steps"]) == 4
 
 
 # ---- real runs: the solution passes, each known mistake fails for its reason -------------------
@@ -138,7 +190,7 @@ def test_the_solution_passes_with_a_certificate(task, capsys):
     verdict = grade(solution.train_ddp, task)
     out = capsys.readouterr().out
     assert verdict, out
-    assert [c.exercise for c in verdict.criteria] == list(check.CAPSTONE_CRITERIA)
+    assert [c.exercise for c in verdict.criteria] == list(capstone.CAPSTONE_CRITERIA)
     assert "certificate of completion" in out and "all 9 criteria met" in out
     f = verdict.figures
     assert f["world_size"] == 2 and f["global_batch"] == 32 and f["peak_lr"] == pytest.approx(0.1)
@@ -149,7 +201,8 @@ def test_the_solution_passes_with_a_certificate(task, capsys):
 @pytest.mark.parametrize("mistake, criterion, said, also", [
     ("no set_epoch", "set_epoch", "replayed the same shuffled order", set()),
     ("no lr scaling", "lr scaling", "unscaled", set()),
-    ("evaluated on the training split", "honest validation", "measured on the training split", set()),
+    ("evaluated on the training split", "honest validation", "measured on the training split",
+     set()),
     # Ranks that trained apart hold different models: no one model has the reported accuracy.
     ("not distributed", "N workers", "gradients were not averaged", {"honest validation"}),
 ])
@@ -178,7 +231,7 @@ def test_a_function_that_raises_or_hangs_is_a_verdict_not_an_exception(task, mon
         raise launcher.LaunchError("rank 1 failed with RuntimeError: forgot something", rank=1)
 
     monkeypatch.setattr(launcher, "launch", raising)
-    verdict = check.capstone(solution.train_ddp, task, time_budget=BUDGET)
+    verdict = capstone.capstone(solution.train_ddp, task, time_budget=BUDGET)
     assert not verdict and verdict.failed == ["runs"]
     assert "rank 1 raised" in verdict.criteria[0].detail
     assert "forgot something" in verdict.criteria[0].detail
@@ -187,7 +240,7 @@ def test_a_function_that_raises_or_hangs_is_a_verdict_not_an_exception(task, mon
         raise launcher.LaunchTimeout("stuck", stuck=[0], stacks={0: "..."})
 
     monkeypatch.setattr(launcher, "launch", hanging)
-    verdict = check.capstone(solution.train_ddp, task, time_budget=BUDGET)
+    verdict = capstone.capstone(solution.train_ddp, task, time_budget=BUDGET)
     assert not verdict and "stuck rank(s): [0]" in verdict.criteria[0].detail
 
 

@@ -38,7 +38,8 @@ def test_a_pipeline_that_misses_something_gets_a_hint(capsys, steps, needs, said
 
 def test_a_pipeline_without_float_output_is_told_how_to_end():
     verdict = check.augmentation_pipeline(
-        v2.Compose([v2.RandomResizedCrop(32), v2.RandomHorizontalFlip(), v2.RandomRotation(10)]), 32)
+        v2.Compose([v2.RandomResizedCrop(32), v2.RandomHorizontalFlip(),
+                    v2.RandomRotation(10)]), 32)
     assert not verdict and "ToDtype" in verdict.hint
 
 
@@ -67,6 +68,22 @@ def test_frozen_base():
         p.requires_grad = False
     verdict = check.frozen_base(model)
     assert not verdict and "nothing would learn" in verdict.detail
+
+
+def test_in_band_prints_a_verdict_and_never_raises_on_a_noisy_figure(capsys):
+    assert check.in_band("gap", 0.48, 0.3, 1.0, cause="few epochs")
+    assert capsys.readouterr().out == "[as expected] gap: measured 0.48, expected 0.3 to 1\n"
+    verdict = check.in_band("gap", 0.1, 0.3, cause="few epochs")
+    out = capsys.readouterr().out
+    assert not verdict and "[outside the expected band]" in out and "at least 0.3" in out
+    assert "likely cause: few epochs" in out and verdict.hint == "likely cause: few epochs"
+    assert not check.in_band("accuracy", float("nan"), high=1.0, cause="a loss became NaN")
+    assert "at most 1" in capsys.readouterr().out
+
+
+def test_in_band_wants_low_below_high():
+    with pytest.raises(ValueError, match="low <= high.*swap them"):
+        check.in_band("gap", 0.5, 1.0, 0.3, cause="-")
 
 
 def test_solutions_only_when_asked(capsys):
