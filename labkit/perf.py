@@ -1,37 +1,41 @@
-"""Performance tuning: each technique measured before and after, as plain dicts.
+"""Performance tuning, the code of notebook 04: each technique measured before and after.
 
-One small function per technique of notebook 04. Single-process techniques (mixed precision,
-channels_last, ``torch.compile``) time a training step with :func:`labkit.bench`'s step timer
-(warm-up, device synchronised before the clock stops), repeated with the variants' order
-alternated, and keep the median, so every variant is measured beside its baseline under the
-same load. The data-parallel ones (:func:`comm_hook_sweep`, :func:`overlap_sweep`) are worker
-functions for ``labkit.launch``::
+One small function per technique. Single-process techniques (mixed precision, channels_last,
+``torch.compile``) time a training step with the shared step timer (warm-up, device
+synchronised before the clock stops), repeated with the variants' order alternated, and keep
+the median, so every variant is measured beside its baseline under the same load.
+:func:`comm_hook_sweep` is a worker function for ``labkit.launch``::
 
     rows = labkit.launch(comm_hook_sweep, nproc=2).values[0]
 
-:func:`result_row` and :func:`results_table` gather every technique into one table, which
-``labkit.plots.tuning_plot`` draws. Nothing here plots.
+The bucket-size and overlap measurement is ``labkit.ddp.bucket_sweep(..., overlap=True)``, the
+same sweep notebook 02 uses. :func:`vgg16_throughput` gives images/s and MFU of VGG16 (its
+FLOPs: ``labkit.models.vgg16_flops``). :func:`result_row` and :func:`results_table` gather
+every technique into one table, which ``labkit.plots.tuning_plot`` draws. Nothing here plots.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import os
+import re
 import statistics
-import threading
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import bench
-from ._sizes import divisors
+from ._dist import collective_device, time_steps
+from ._sizes import divisors, whole
+from .bench import bus_bandwidth
+from .ddp import counting_allreduces
 from .parallel.memory import counting_saved_bytes
 
 __all__ = ["AMP_MODES", "HOOKS", "compare_steps", "time_step", "grad_scaler_check",
-           "loader_throughput", "loader_sweep", "accumulation_check", "powersgd_bytes", "comm_hook_sweep",
-           "overlap_sweep", "profile_top_ops", "result_row", "results_table"]
+           "loader_throughput", "compare_loaders", "accumulation_check", "powersgd_bytes",
+           "comm_hook_sweep", "overlap_check", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
+           "vgg16_throughput", "profile_top_ops", "timing_verdict", "result_row", "results_table"]
 
 AMP_MODES = (None, "bf16", "fp16")
 HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -50,13 +54,6 @@ def _check_batch(batch):
         raise ValueError(f"batch needs inputs (N, ...) and N labels with N >= 1, got shapes "
                          f"{tuple(x.shape)} and {tuple(y.shape)}: {example}")
     return x, y
-
-
-def _check_counts(**counts):
-    """Each named count is an int >= its minimum (given as ``name=(value, minimum)``)."""
-    for name, (value, minimum) in counts.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class _Autocast(nn.Module):
@@ -125,7 +122,9 @@ def compare_steps(model: nn.Module, batch, variants: dict, *, steps: int = 10, w
     if not isinstance(variants, dict) or not variants:
         raise ValueError("variants must be a non-empty dict, e.g. {'fp32': {}, 'bf16': "
                          "{'amp': 'bf16'}}")
-    _check_counts(steps=(steps, 1), warmup=(warmup, 0), repeats=(repeats, 1))
+    whole(steps, "steps")
+    whole(warmup, "warmup", low=0)
+    whole(repeats, "repeats")
     device = x.device
     built, rows = {}, {}
     for name, options in variants.items():
@@ -136,8 +135,7 @@ def compare_steps(model: nn.Module, batch, variants: dict, *, steps: int = 10, w
                       "step_s_all": [], "skipped": None}
         model_i = _tuned(model, device, **options)
         try:  # the first step pays for compilation (and on GPUs, cuDNN's autotuning)
-            rows[name]["first_step_s"] = bench._time_steps(lambda m=model_i: m, None, xi, y, 1,
-                                                           0, device)
+            rows[name]["first_step_s"] = time_steps(model_i, xi, y, 1, 0, device)
         except Exception as exc:
             if not options["compile"]:
                 raise
@@ -149,7 +147,7 @@ def compare_steps(model: nn.Module, batch, variants: dict, *, steps: int = 10, w
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             model_i, xi = built[name]
-            seconds = bench._time_steps(lambda m=model_i: m, None, xi, y, steps, warmup, device)
+            seconds = time_steps(model_i, xi, y, steps, warmup, device)
             rows[name]["step_s_all"].append(seconds / steps)
     for name in names:
         row = rows[name]
@@ -256,9 +254,11 @@ def loader_throughput(dataset, *, workers: int = 0, pin_memory: bool = False,
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ValueError(f"dataset must be a map-style Dataset (len and [i]), got "
                          f"{type(dataset).__name__}: e.g. labkit.data.to_torch(imageset)")
-    _check_counts(workers=(workers, 0), batch_size=(batch_size, 1), repeats=(repeats, 1))
+    whole(workers, "workers", low=0)
+    whole(batch_size, "batch_size")
+    whole(repeats, "repeats")
     if batches is not None:
-        _check_counts(batches=(batches, 1))
+        whole(batches, "batches")
     if len(dataset) < batch_size:
         raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch of "
                          f"{batch_size}: use a smaller batch_size or more data")
@@ -293,7 +293,7 @@ def loader_throughput(dataset, *, workers: int = 0, pin_memory: bool = False,
             "device": str(device) if device is not None else None}
 
 
-def loader_sweep(dataset, settings=((0, False), (2, False), (2, True)), *, repeats: int = 2,
+def compare_loaders(dataset, settings=((0, False), (2, False), (2, True)), *, repeats: int = 2,
                  **kwargs) -> list[dict]:
     """:func:`loader_throughput` for each ``(workers, pin_memory)`` in ``settings``, side by side.
 
@@ -303,7 +303,7 @@ def loader_sweep(dataset, settings=((0, False), (2, False), (2, True)), *, repea
 
     Example::
 
-        >>> rows = loader_sweep(dataset, [(0, False), (2, False)], batch_size=32)
+        >>> rows = compare_loaders(dataset, [(0, False), (2, False)], batch_size=32)
         >>> rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
         1.62
     """
@@ -311,7 +311,7 @@ def loader_sweep(dataset, settings=((0, False), (2, False), (2, True)), *, repea
     if not settings or any(not isinstance(s, (list, tuple)) or len(s) != 2 for s in settings):
         raise ValueError(f"settings must be (workers, pin_memory) pairs, e.g. [(0, False), "
                          f"(2, True)], got {settings!r}")
-    _check_counts(repeats=(repeats, 1))
+    whole(repeats, "repeats")
     runs: dict = {tuple(s): [] for s in settings}
     keys = list(runs)
     for r in range(repeats):
@@ -346,14 +346,15 @@ def accumulation_check(model: nn.Module, batch, micro_batches: int) -> dict:
     x, y = _check_batch(batch)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_counts(micro_batches=(micro_batches, 1))
+    whole(micro_batches, "micro_batches")
     if len(x) % micro_batches:
         raise ValueError(f"a batch of {len(x)} does not split into {micro_batches} equal "
                          f"micro-batches (unequal ones would weigh samples unequally): use a "
                          f"divisor of {len(x)}, e.g. {divisors(len(x), 5)[1:]}")
-    whole, accumulated = copy.deepcopy(model).to(x.device), copy.deepcopy(model).to(x.device)
+    one_batch = copy.deepcopy(model).to(x.device)
+    accumulated = copy.deepcopy(model).to(x.device)
     with counting_saved_bytes() as big:
-        loss = nn.functional.cross_entropy(whole(x), y)
+        loss = nn.functional.cross_entropy(one_batch(x), y)
     loss.backward()
     micro = 0
     for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
@@ -361,7 +362,7 @@ def accumulation_check(model: nn.Module, batch, micro_batches: int) -> dict:
             loss = nn.functional.cross_entropy(accumulated(xs), ys) / micro_batches
         loss.backward()  # adds into .grad: that is the accumulation
         micro = max(micro, counter["bytes"])
-    g_big, g_acc = _grads(whole), _grads(accumulated)
+    g_big, g_acc = _grads(one_batch), _grads(accumulated)
     diff = (g_big - g_acc).abs().max().item()
     return {"micro_batches": micro_batches, "batch": len(x), "micro_batch": len(x) // micro_batches,
             "max_abs_diff": diff, "max_rel_diff": diff / max(g_big.abs().max().item(), 1e-30),
@@ -384,7 +385,7 @@ def powersgd_bytes(model: nn.Module, rank: int = 1, min_compression_rate: float 
         >>> powersgd_bytes(small_cnn(10, 16))
         {'uncompressed_bytes': 40872, 'compressed_bytes': 3196, 'ratio': 12.79}
     """
-    _check_counts(rank=(rank, 1))
+    whole(rank, "rank")
     if not min_compression_rate > 0:
         raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate!r}")
     before = after = 0
@@ -399,25 +400,6 @@ def powersgd_bytes(model: nn.Module, rank: int = 1, min_compression_rate: float 
         compress = (n + m) * r * min_compression_rate < n * m
         after += ((n + m) * r if compress else n * m) * size
     return {"uncompressed_bytes": before, "compressed_bytes": after, "ratio": before / after}
-
-
-@contextlib.contextmanager
-def _counting_allreduce(counter: dict):
-    """Count calls and bytes of every ``dist.all_reduce`` while inside (hooks call it)."""
-    real = dist.all_reduce
-    lock = threading.Lock()  # PowerSGD's later all-reduces run in future callbacks
-
-    def counted(tensor, *args, **kwargs):
-        with lock:
-            counter["calls"] += 1
-            counter["bytes"] += tensor.numel() * tensor.element_size()
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield counter
-    finally:
-        dist.all_reduce = real
 
 
 def _comm_hook(name: str, powersgd_rank: int, powersgd_start: int):
@@ -463,12 +445,14 @@ def comm_hook_sweep(hooks=HOOKS, *, steps: int = 60, batch: int = 32, lr: float 
 
     if not isinstance(hooks, (list, tuple)) or not hooks or any(h not in HOOKS for h in hooks):
         raise ValueError(f"hooks must be a list of some of {', '.join(HOOKS)}, got {hooks!r}")
-    _check_counts(steps=(steps, 1), batch=(batch, 1), powersgd_rank=(powersgd_rank, 1),
-                  powersgd_start=(powersgd_start, 2))
+    whole(steps, "steps")
+    whole(batch, "batch")
+    whole(powersgd_rank, "powersgd_rank")
+    whole(powersgd_start, "powersgd_start", low=2)
     if "powersgd" in hooks and steps <= powersgd_start:
         raise ValueError(f"PowerSGD compresses only after powersgd_start={powersgd_start} plain "
                          f"steps: use steps > {powersgd_start}, or a smaller powersgd_start")
-    device = bench._device()
+    device = collective_device()
     rank, world = dist.get_rank(), dist.get_world_size()
     train_set, val_set = split(digits(image_size), 0.2, seed=seed)
     x_train, y_train = to_float_tensors(train_set)
@@ -491,7 +475,7 @@ def comm_hook_sweep(hooks=HOOKS, *, steps: int = 60, batch: int = 32, lr: float 
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         counter = {"calls": 0, "bytes": 0}
         start = time.perf_counter()
-        with _counting_allreduce(counter):
+        with counting_allreduces(counter):
             for step in range(steps):
                 before = dict(counter)
                 xs, ys = shard(step)
@@ -505,7 +489,7 @@ def comm_hook_sweep(hooks=HOOKS, *, steps: int = 60, batch: int = 32, lr: float 
             logits = model.module(x_val)
         payload = counter["bytes"] - before["bytes"]
         rows.append({"hook": name, "bytes_per_step": payload,
-                     "wire_bytes_per_step": bench.bus_bandwidth(payload, world),
+                     "wire_bytes_per_step": bus_bandwidth(payload, world),
                      "allreduces_per_step": counter["calls"] - before["calls"],
                      "val_loss": nn.functional.cross_entropy(logits, y_val).item(),
                      "val_acc": (logits.argmax(1) == y_val).float().mean().item(),
@@ -515,81 +499,246 @@ def comm_hook_sweep(hooks=HOOKS, *, steps: int = 60, batch: int = 32, lr: float 
     return rows
 
 
-def _blocking_allreduce_hook(state: dict, bucket):
-    """Reduce the bucket before returning: backward waits on each bucket, nothing overlaps."""
-    buffer = bucket.buffer()
-    state["calls"] += 1
-    dist.all_reduce(buffer.div_(dist.get_world_size()))
-    done = torch.futures.Future()
-    done.set_result(buffer)
-    return done
+_OVERLAP_KEYS = ("bucket_cap_mb", "allreduces", "step_s", "compute_s", "serial_s",
+                 "hidden_fraction", "ranks")
+# (expected band of the hidden share, what it rests on, likely cause below, likely cause above)
+_OVERLAP_BANDS = {
+    "nccl": ((0.5, 1.0), "NCCL runs on its own CUDA stream and the links move data beside the "
+             "compute units: most of it hides",
+             "each bucket's all-reduce outlasts the backward left to hide it: a slow link (PCIe "
+             "without peer-to-peer, Ethernet between nodes), or another job on the GPUs; a "
+             "profiler trace shows whether the all-reduce kernels sit beside backward's",
+             "timing noise: above 100 % the overlapped step beat compute alone"),
+    "spare": ((0.2, 1.0), "gloo's threads have cores of their own: some of it hides",
+              "other programs took the spare cores gloo's threads needed, or the steps are too "
+              "few to time (raise OVERLAP_STEPS)",
+              "timing noise: above 100 % the overlapped step beat compute alone"),
+    "shared": ((-0.25, 0.5), "the same cores compute and run gloo: little hides",
+               "timing noise: below 0 the overlapped step was slower than the serial one, "
+               "which only a busy machine explains",
+               "a quieter machine than usual: the cores had idle moments (a rank waiting for "
+               "a message) that gloo's threads used"),
+}
 
 
-def overlap_sweep(caps_mb=(1, 25), *, model=None, batch: int = 32, steps: int = 5,
-                  warmup: int = 2, repeats: int = 3) -> list[dict]:
-    """Worker function: how much of the all-reduce DDP hides behind backward, per bucket size.
+def overlap_check(rows: list[dict], *, backend: str, cores: int | None = None) -> dict:
+    """Verdict on the share of communication that DDP's overlap hid, for this hardware.
 
-    Three step times for each ``bucket_cap_mb`` in ``caps_mb`` (``model`` a factory, default
-    ``bench.wide_mlp``): ``compute_s`` without any communication, ``overlapped_s`` with DDP as
-    it is (a bucket's all-reduce starts as soon as backward fills it), ``serial_s`` with a hook
-    that waits for each all-reduce before backward goes on. ``hidden_fraction`` is the share of
-    the communication time that overlap hid: ``(serial - overlapped) / (serial - compute)``
-    (None when the communication time is lost in the noise). Times are medians over
-    ``repeats`` alternated rounds, the slowest rank's.
+    ``rows`` are ``labkit.ddp.bucket_sweep(..., overlap=True)``'s. Measured: the mean
+    ``hidden_fraction`` over the caps that make more than one bucket. The one-bucket rows are
+    the control: that bucket starts when backward has ended, so nothing can hide and what they
+    read is this run's noise. Expected: with ``backend="nccl"`` (GPUs) 50 to 100 %; with
+    ``"gloo"`` 20 to 100 % when each rank has a spare core (``cores >= 2 * ranks``, default
+    ``os.cpu_count()``), and little, -25 to 50 %, without (2 ranks on 2 cores). A timing
+    claim: the verdict is printed, not asserted. Returns :func:`timing_verdict`'s dict plus
+    ``control`` (None without a one-bucket row).
 
     Example::
 
-        >>> rows = labkit.launch(overlap_sweep, [1, 25], nproc=2).values[0]
-        >>> [(r["bucket_cap_mb"], r["buckets"]) for r in rows]
-        [(1, 13), (25, 2)]
+        >>> rows = labkit.launch(ddp.bucket_sweep, [0.25, 4, 25], overlap=True,
+        ...                      nproc=2).values[0]
+        >>> print(overlap_check(rows, backend="gloo")["text"])
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' (GPUs) or 'gloo' (CPUs), got {backend!r}")
+    advice = "pass the rows of labkit.ddp.bucket_sweep(caps_mb, ..., overlap=True)"
+    if not rows:
+        raise ValueError(f"no rows: {advice}")
+    missing = sorted({k for r in rows for k in _OVERLAP_KEYS if k not in r})
+    if missing:
+        raise ValueError(f"rows lack {missing}: {advice}")
+    cores = cores or os.cpu_count() or 1
+    kind = backend if backend == "nccl" else ("spare" if cores >= 2 * rows[0]["ranks"]
+                                               else "shared")
+    band, why, below, above = _OVERLAP_BANDS[kind]
+    where = f"{backend}, {rows[0]['ranks']} ranks" + (f", {cores} cores" if kind != "nccl" else "")
+    claim = f"communication hidden by DDP's overlap ({where})"
+    shares = [r["hidden_fraction"] for r in rows
+              if r["allreduces"] > 1 and r["hidden_fraction"] is not None]
+    controls = [r["hidden_fraction"] for r in rows
+                if r["allreduces"] == 1 and r["hidden_fraction"] is not None]
+    control = statistics.fmean(controls) if controls else None
+    if not shares:
+        text = (f"{claim}: not measurable: no cap made more than one bucket with communication "
+                f"above the noise; use smaller caps or a larger model")
+        return {"claim": claim, "expected": band, "measured": None, "verdict": "not measurable",
+                "ok": False, "cause": "nothing to overlap", "text": text, "control": control}
+    noisy = control is not None and abs(control) > 0.25
+    noise = (f"the one-bucket control, which can hide nothing, reads {control:.0%}: this run's "
+             f"noise is about that large") if noisy else None
+    verdict = timing_verdict(claim, statistics.fmean(shares), band, below=noise or below,
+                             above=noise or above, fmt="{:.0%}")
+    first, *cause = verdict["text"].split("\n")
+    lines = [first, f"  the band: {why}", *cause]
+    if control is not None and not (noisy and verdict["cause"] == noise):  # else said above
+        lines.append(f"  control: one bucket hides {control:.0%} (nothing can hide there: this "
+                     f"run's noise{' is as large as the effect' if noisy else ''})")
+    return {**verdict, "text": "\n".join(lines), "control": control}
 
-    caps = list(caps_mb) if isinstance(caps_mb, (list, tuple)) else []
-    if not caps or any(not isinstance(c, (int, float)) or c <= 0 for c in caps):
-        raise ValueError(f"caps_mb must be positive sizes in MB, e.g. [1, 25], got {caps_mb!r}")
-    _check_counts(batch=(batch, 1), steps=(steps, 1), warmup=(warmup, 0), repeats=(repeats, 1))
-    device = bench._device()
-    make = model or bench.wide_mlp
-    inputs = next(m for m in make().modules() if isinstance(m, nn.Linear)).in_features
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randn(batch, inputs, generator=gen).to(device)
-    y = torch.randint(0, 10, (batch,), generator=gen).to(device)
-    ids = [device.index] if device.type == "cuda" else None
-    variants, buckets = {("compute", None): make().to(device)}, {}
-    for cap in caps:
-        torch.manual_seed(0)
-        variants["overlapped", cap] = DDP(make().to(device), device_ids=ids, bucket_cap_mb=cap)
-        serial = DDP(make().to(device), device_ids=ids, bucket_cap_mb=cap)
-        buckets[cap] = {"calls": 0}
-        serial.register_comm_hook(buckets[cap], _blocking_allreduce_hook)
-        variants["serial", cap] = serial
-    times = {key: [] for key in variants}
-    names = list(variants)
-    for r in range(repeats):
-        for key in names if r % 2 == 0 else names[::-1]:
-            counter = buckets.get(key[1]) if key[0] == "serial" else None
-            calls = counter["calls"] if counter else 0
-            dist.barrier()  # start together: an all-reduce waits for its slowest rank
-            seconds = bench._time_steps(lambda m=variants[key]: m, None, x, y, steps, warmup,
-                                        device)
-            times[key].append(seconds / steps)
-            if counter:  # the latest round's count: DDP rebuilds its buckets after step one
-                counter["per_step"] = (counter["calls"] - calls) / (steps + warmup)
-    medians = torch.tensor([statistics.median(times[k]) for k in names], dtype=torch.float64,
-                           device=device)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    step = dict(zip(names, medians.tolist(), strict=True))
+
+# ---- VGG16 training throughput and model FLOP utilisation (MFU) ----------------------------
+
+VGG16_VARIANTS = ("fp32", "bf16", "bf16+channels_last", "bf16+channels_last+compile")
+
+# Dense peak TFLOP/s per math precision, from NVIDIA's data sheets (the sparsity figures halved).
+# Matched in order against torch.cuda.get_device_name(): the first pattern found wins, so the
+# NVL and PCIe parts come before the SXM parts whose names they contain.
+PEAK_TFLOPS = (
+    (r"H[12]00 NVL", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
+    (r"H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    (r"H[12]00", {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}),     # SXM
+    (r"A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"L40S", {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+)
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The GPU's dense peak TFLOP/s at ``precision`` (bf16, tf32, fp32); None when unknown.
+
+    Example::
+
+        >>> peak_tflops("NVIDIA H200", "bf16"), peak_tflops("cpu", "fp32")
+        (989.4, None)
+    """
+    for pattern, peaks in PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            return peaks.get(precision)
+    return None
+
+
+def _vgg16_defaults(device_type: str) -> dict:
+    """Full size on a GPU; on a CPU a VGG16 1/8 as wide at 64 px, so a run takes ~20 s."""
+    if device_type == "cuda":
+        return {"image_size": 224, "batch_size": 128, "width": 1.0, "steps": 20, "warmup": 5,
+                "repeats": 3}
+    return {"image_size": 64, "batch_size": 8, "width": 1 / 8, "steps": 3, "warmup": 1,
+            "repeats": 1}
+
+
+def _time_vgg16_variant(variant: str, device, cfg: dict) -> float:
+    """Median seconds of one training step (forward, backward, SGD) in ``variant``."""
+    import torch
+    import torch.nn.functional as F
+
+    from .models import vgg16
+
+    torch.manual_seed(0)
+    model = vgg16(cfg["num_classes"], width=cfg["width"], image_size=cfg["image_size"]).to(device)
+    x = torch.randn(cfg["batch_size"], 3, cfg["image_size"], cfg["image_size"], device=device)
+    y = torch.randint(0, cfg["num_classes"], (cfg["batch_size"],), device=device)
+    if "channels_last" in variant:  # NHWC: the layout tensor-core convolutions read directly
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    forward = torch.compile(model) if "compile" in variant else model
+    bf16 = "bf16" in variant
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(forward(x), y)
+        loss.backward()
+        optimizer.step()
+
+    def sync():
+        if device.type == "cuda":  # kernels run asynchronously: wait before reading the clock
+            torch.cuda.synchronize(device)
+
+    for _ in range(cfg["warmup"]):  # cuDNN autotuning, allocator, compilation
+        step()
+    sync()
+    times = []
+    for _ in range(cfg["repeats"]):
+        start = time.perf_counter()
+        for _ in range(cfg["steps"]):
+            step()
+        sync()
+        times.append((time.perf_counter() - start) / cfg["steps"])
+    return statistics.median(times)
+
+
+def _skip_reason(variant: str, device) -> str | None:
+    import torch
+
+    if "compile" in variant and device.type != "cuda":
+        return "torch.compile is measured on GPUs only (on a CPU it compiles for minutes)"
+    if "bf16" in variant and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "this GPU has no bf16 support"
+    return None
+
+
+def vgg16_throughput(variants=VGG16_VARIANTS, *, device=None, image_size: int | None = None,
+                     batch_size: int | None = None, width: float | None = None,
+                     num_classes: int = 1000, steps: int | None = None,
+                     warmup: int | None = None, repeats: int | None = None) -> list[dict]:
+    """Images/s, TFLOP/s and MFU of a VGG16 training step in each of ``variants``.
+
+    Variants: ``fp32`` (on GPUs PyTorch's default runs convolutions in TF32), ``bf16``
+    (autocast), ``bf16+channels_last`` and ``bf16+channels_last+compile``. Defaults: the first
+    GPU at 224 px, batch 128, full width; else the CPU at 64 px, batch 8, width 1/8. A row that
+    cannot run says why in ``skipped``. Each variant runs ``warmup`` untimed steps, then
+    ``repeats`` timings of ``steps`` steps (the median counts). MFU is achieved FLOP/s
+    (3 x forward FLOPs per image) over the GPU's dense peak at that precision; None when the
+    peak is unknown (any CPU).
+
+    Example::
+
+        >>> rows = vgg16_throughput(["fp32", "bf16"])
+        >>> rows[0]["variant"], rows[0]["images_per_s"] > 0
+        ('fp32', True)
+    """
+    from .models import vgg16_flops
+
+    unknown = [v for v in variants if v not in VGG16_VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"unknown VGG16 variant {unknown[0] if unknown else None!r}: choose "
+                         f"from {', '.join(VGG16_VARIANTS)}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cfg = _vgg16_defaults(device.type)
+    given = {"image_size": image_size, "batch_size": batch_size, "width": width, "steps": steps,
+             "warmup": warmup, "repeats": repeats}
+    cfg.update({k: v for k, v in given.items() if v is not None}, num_classes=num_classes)
+    for key in ("batch_size", "steps", "repeats"):
+        cfg[key] = whole(cfg[key], key)
+    cfg["warmup"] = whole(cfg["warmup"], "warmup", low=0)
+    flops_per_image = 3 * vgg16_flops(cfg["image_size"], cfg["width"], num_classes)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     rows = []
-    for cap in caps:
-        compute, overlapped, serial = step["compute", None], step["overlapped", cap], \
-            step["serial", cap]
-        comm = serial - compute
-        rows.append({"bucket_cap_mb": cap, "buckets": buckets[cap]["per_step"],
-                     "compute_s": compute, "overlapped_s": overlapped, "serial_s": serial,
-                     "comm_s": comm,
-                     "hidden_fraction": (serial - overlapped) / comm if comm > 0.02 * serial
-                     else None, "ranks": dist.get_world_size()})
+    for variant in variants:
+        precision = "bf16" if "bf16" in variant else "fp32"
+        if precision == "fp32" and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
+            precision = "tf32"  # the convolutions, nearly all the FLOPs, run on tensor cores
+        row = {"variant": variant, "device": str(device), "device_name": name,
+               "image_size": cfg["image_size"], "width": cfg["width"],
+               "batch_size": cfg["batch_size"], "precision": precision,
+               "train_flops_per_image": flops_per_image,
+               "peak_tflops": peak_tflops(name, precision),
+               "step_s": None, "images_per_s": None, "tflops": None, "mfu": None,
+               "skipped": _skip_reason(variant, device)}
+        rows.append(row)
+        if row["skipped"]:
+            continue
+        try:
+            seconds = _time_vgg16_variant(variant, device, cfg)
+        except Exception as exc:
+            if "compile" not in variant:
+                raise
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            row["skipped"] = f"torch.compile failed: {type(exc).__name__}: {first}"
+            continue
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row["step_s"] = seconds
+        row["images_per_s"] = cfg["batch_size"] / seconds
+        row["tflops"] = row["images_per_s"] * flops_per_image / 1e12
+        if row["peak_tflops"]:
+            row["mfu"] = row["tflops"] / row["peak_tflops"]
     return rows
 
 
@@ -617,7 +766,9 @@ def profile_top_ops(fn, n: int = 10, *, steps: int = 3, warmup: int = 1, trace=N
     if not callable(fn):
         raise ValueError(f"fn must be a callable that runs one step, e.g. lambda: "
                          f"train_step(), got {type(fn).__name__}")
-    _check_counts(n=(n, 1), steps=(steps, 1), warmup=(warmup, 0))
+    whole(n, "n")
+    whole(steps, "steps")
+    whole(warmup, "warmup", low=0)
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
@@ -644,6 +795,40 @@ def profile_top_ops(fn, n: int = 10, *, steps: int = 3, warmup: int = 1, trace=N
              "total_ms": (e.device_time_total if on_device else e.cpu_time_total) / 1e3 / steps,
              "share": self_us(e) / total, "clock": "device" if on_device else "cpu"}
             for e in top]
+
+
+def timing_verdict(claim: str, measured: float, expected: tuple[float, float], *,
+                   below: str, above: str, fmt: str = "{:.2f}") -> dict:
+    """A timing claim judged without stopping the lesson: band, measured value, likely cause.
+
+    A time taken on a shared machine moves with whatever else runs there, so the notebooks
+    print this verdict where an exact claim would assert. ``expected`` is the ``(low, high)``
+    band the claim predicts; ``below`` and ``above`` name the likely cause of a value outside
+    it. Returns ``{"claim", "expected", "measured", "verdict", "ok", "cause", "text"}``.
+
+    Example::
+
+        >>> print(timing_verdict("recomputation cost (x the plain step)", 1.4, (1.1, 2.0),
+        ...                      below="noise", above="Python overhead")["text"])
+        recomputation cost (x the plain step): expected 1.10 to 2.00, measured 1.40: as expected
+    """
+    if not isinstance(measured, (int, float)) or isinstance(measured, bool) or measured != measured:
+        raise ValueError(f"measured must be a number, got {measured!r}: time the claim first")
+    low, high = expected
+    if not low <= high:
+        raise ValueError(f"expected must be a (low, high) band with low <= high, got {expected!r}")
+    if measured < low:
+        verdict, cause = "below the expected band", below
+    elif measured > high:
+        verdict, cause = "above the expected band", above
+    else:
+        verdict, cause = "as expected", None
+    text = (f"{claim}: expected {fmt.format(low)} to {fmt.format(high)}, measured "
+            f"{fmt.format(measured)}: {verdict}")
+    if cause:
+        text += f"\n  likely cause: {cause}"
+    return {"claim": claim, "expected": (low, high), "measured": measured, "verdict": verdict,
+            "ok": verdict == "as expected", "cause": cause, "text": text}
 
 
 def result_row(technique: str, before: float, after: float, unit: str, *,

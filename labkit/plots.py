@@ -6,9 +6,12 @@ a worker, a shell) matplotlib falls back to the Agg backend by itself.
 
 from __future__ import annotations
 
+from ._sizes import whole
+
 __all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
            "live_training_curves", "scaling_plot", "large_batch_plot", "pipeline_timeline",
-           "bubble_plot", "staleness_plot", "bytes_accuracy_plot", "tuning_plot", "memory_plot"]
+           "bubble_plot", "staleness_plot", "bytes_accuracy_plot", "tuning_plot", "overlap_plot",
+           "memory_plot"]
 
 
 def _size_label(n: float, _pos=None) -> str:
@@ -207,8 +210,7 @@ def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
     from matplotlib import pyplot as plt
 
     arr = _check_image(image)
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int (how many augmented copies), got {n!r}")
+    n = whole(n, "n", hint=" (how many augmented copies)")
     tensor = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
     step = _normalize_step(transform)
     with torch.random.fork_rng(devices=[]):  # the learner's own random stream stays untouched
@@ -288,7 +290,8 @@ def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, s
         slider.observe(redraw, names="value")
     redraw()
     half = (len(sliders) + 1) // 2
-    columns = [widgets.VBox(list(sliders.values())[:half]), widgets.VBox(list(sliders.values())[half:])]
+    columns = [widgets.VBox(list(sliders.values())[:half]),
+               widgets.VBox(list(sliders.values())[half:])]
     box = widgets.VBox([widgets.HBox(columns), picture])
     box.config = config
     return box
@@ -433,7 +436,7 @@ def _integer_ticks(ax, ticks, log):
 def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
     """Data-parallel scaling: throughput, then speedup and efficiency, against workers.
 
-    ``rows`` are measured rows from ``labkit.bench.scaling_sweep`` (weak, strong or both modes,
+    ``rows`` are measured rows from ``labkit.ddp.measure_scaling`` (weak, strong or both modes,
     one colour per mode); ``prediction`` optionally adds model rows with the same keys, drawn
     dashed and usually reaching past the measured worker counts. Grey dotted lines are ideal
     scaling: N times the one-worker throughput (left; skipped for a mode without a one-worker
@@ -442,13 +445,13 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
 
     Example::
 
-        >>> rows = scaling_sweep(...)                    # measured, e.g. 1 to 4 workers
+        >>> rows = measure_scaling(...)                    # measured, e.g. 1 to 4 workers
         >>> fig = scaling_plot(rows, prediction=model)   # model rows up to 64 workers
     """
     from matplotlib import pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    advice = "pass the rows labkit.bench.scaling_sweep returned"
+    advice = "pass the rows labkit.ddp.measure_scaling returned"
     if not rows:
         raise ValueError(f"no rows to plot: {advice}")
     _check_rows(rows, _SCALING_KEYS, "rows", advice)
@@ -701,6 +704,65 @@ def tuning_plot(rows: list[dict], ax=None):
     ax.set_xlabel("gain over the baseline (x, log scale; > 1 is better)")
     ax.set_title("performance tuning: each technique against its own baseline")
     ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def overlap_plot(rows: list[dict], ax=None):
+    """DDP's step per bucket size as stacked bars: compute, exposed and hidden communication.
+
+    ``rows`` are ``labkit.ddp.bucket_sweep(..., overlap=True)``'s. Each bar is the serial step
+    (every bucket's all-reduce waited for): ``compute_s`` at the bottom, then the
+    communication, split at the overlapped step ``step_s`` into the part still waited for
+    (exposed) and, above it, the part overlap hid. Timing noise can put ``step_s`` below
+    ``compute_s`` or above ``serial_s``: the split is clipped to the bar, and the measured
+    step is drawn as a black tick wherever it fell. Each bar is labelled with its
+    ``hidden_fraction``. Draws on ``ax`` when given; returns the Figure.
+
+    Example::
+
+        >>> rows = labkit.launch(ddp.bucket_sweep, [0.25, 4, 25], overlap=True,
+        ...                      nproc=2).values[0]
+        >>> fig = overlap_plot(rows)
+    """
+    from matplotlib import pyplot as plt
+
+    advice = "pass the rows of labkit.ddp.bucket_sweep(caps_mb, ..., overlap=True)"
+    if not rows:
+        raise ValueError(f"no rows to plot: {advice}")
+    _check_rows(rows, ["bucket_cap_mb", "allreduces", "compute_s", "step_s", "serial_s",
+                       "hidden_fraction"], "rows", advice)
+    rows = sorted(rows, key=lambda r: r["bucket_cap_mb"])
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    else:
+        fig = ax.figure
+    compute = [r["compute_s"] * 1e3 for r in rows]
+    comm = [max(0.0, r["serial_s"] - r["compute_s"]) * 1e3 for r in rows]
+    step = [r["step_s"] * 1e3 for r in rows]
+    exposed = [min(max(0.0, s - c), total) for s, c, total in zip(step, compute, comm,
+                                                                   strict=True)]
+    hidden = [total - e for total, e in zip(comm, exposed, strict=True)]
+    x = list(range(len(rows)))
+    ax.bar(x, compute, color="tab:blue", label="compute (no communication)")
+    ax.bar(x, exposed, bottom=compute, color="tab:red", label="communication waited for")
+    ax.bar(x, hidden, bottom=[c + e for c, e in zip(compute, exposed, strict=True)],
+           color="tab:green", alpha=0.45, hatch="//", label="communication hidden by overlap")
+    ax.hlines(step, [i - 0.4 for i in x], [i + 0.4 for i in x], colors="k", linewidth=2,
+              label="overlapped step, measured")  # across each bar: the bars are 0.8 wide
+    for i, r in enumerate(rows):
+        share = r["hidden_fraction"]
+        ax.text(i, max(compute[i] + comm[i], step[i]), "hidden n/a" if share is None else
+                f"hidden {share:.0%}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(x, [f"{r['bucket_cap_mb']:g} MB\n{r['allreduces']:.0f} bucket"
+                      f"{'' if r['allreduces'] == 1 else 's'}" for r in rows])
+    top = max(max(c + t for c, t in zip(compute, comm, strict=True)), max(step))
+    ax.set_ylim(0, top * 1.45)  # room for the labels and the legend
+    ax.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("ms per step (slowest rank)")
+    ax.set_title("DDP: the communication that overlap hides, by bucket size")
+    ax.legend(fontsize=8, loc="upper left", frameon=False, ncols=2)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
 

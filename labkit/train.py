@@ -11,8 +11,9 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device", "augmentation_experiment",
-           "LR_RULES", "linear_scaled_lr", "warmup_lr", "large_batch_experiment"]
+__all__ = ["TrainConfig", "fit", "train_epoch", "evaluate", "pick_device",
+           "augmentation_experiment", "LR_RULES", "linear_scaled_lr", "warmup_lr",
+           "large_batch_experiment"]
 
 
 @dataclasses.dataclass
@@ -67,11 +68,17 @@ def _autocast(device, amp: str | None):
 
 def train_epoch(model, loader, optimizer, device, *, amp=None, scaler=None,
                 channels_last=False) -> tuple[float, float]:
-    """One pass over ``loader``; returns the mean loss and the accuracy seen while training."""
+    """One pass over ``loader``; returns the mean loss and the accuracy seen while training.
+
+    The model is in train mode, except frozen BatchNorm layers (:func:`labkit.models.train_mode`):
+    a frozen base keeps its running statistics as well as its weights.
+    """
     import torch
     import torch.nn.functional as F
 
-    model.train()
+    from .models import train_mode
+
+    train_mode(model)
     total_loss, correct, seen = 0.0, 0, 0
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -242,7 +249,7 @@ def linear_scaled_lr(base_lr: float, base_batch: int, global_batch: int) -> floa
 
 
 def warmup_lr(target_lr: float, step: int, warmup_steps: int) -> float:
-    """The learning rate at ``step`` (0-based): a linear ramp to ``target_lr`` over ``warmup_steps``.
+    """The learning rate at ``step`` (0-based): a linear ramp to ``target_lr`` in ``warmup_steps``.
 
     Early gradients are large and change fast, exactly when the linear-scaling approximation
     fails; ramping the scaled rate up over the first epochs avoids the early divergence.

@@ -42,6 +42,13 @@ def test_off_changes_nothing_and_the_default_changes_everything():
     assert AugmentConfig(scale=[0.5, 1]).scale == (0.5, 1.0)  # lists become tuples
 
 
+def test_strong_moves_shapes_further_and_recolours_less_than_the_default():
+    strong, default = AugmentConfig.strong(), AugmentConfig()
+    assert strong.rotation > default.rotation and strong.translate > default.translate
+    assert strong.brightness < default.brightness and strong.hue == 0
+    assert strong is not AugmentConfig.strong()  # a fresh one each call: safe to change
+
+
 @pytest.mark.parametrize("field, value", [
     ("rotation", -1), ("rotation", 200), ("scale", (0.0, 1.0)), ("scale", (0.9, 0.5)),
     ("scale", (0.5, 1.2)), ("scale", (0.5,)), ("translate", 1.5), ("flip", 1.1), ("flip", -0.1),
@@ -100,8 +107,8 @@ def test_the_config_sets_the_pipeline_steps():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"kind": "heavy"}, ValueError, r"unknown augmentation kind 'heavy'.*none, standard, rand"),
-    ({"image_size": 0}, ValueError, r"image_size must be a positive int"),
-    ({"image_size": 32.5}, ValueError, r"image_size must be a positive int"),
+    ({"image_size": 0}, ValueError, r"image_size must be a whole number >= 1"),
+    ({"image_size": 32.5}, ValueError, r"image_size must be a whole number >= 1"),
     ({"config": {"rotation": 5}}, TypeError, r"config must be an AugmentConfig"),
 ])
 def test_augmentation_rejects_bad_arguments(kwargs, error, match):

@@ -13,8 +13,7 @@ from labkit.train import augmentation_experiment
 
 CLASSES = ["circle", "square", "cross"]
 PER_CLASS, VAL_PER_CLASS = 30, 60
-STRONG = augment.AugmentConfig(rotation=30, scale=(0.6, 1.0), translate=0.15, flip=0.5,
-                               brightness=0.1, contrast=0.1, saturation=0.1, hue=0.0)
+STRONG = augment.AugmentConfig.strong()  # the notebook's setting
 
 
 @pytest.mark.slow

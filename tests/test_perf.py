@@ -10,11 +10,11 @@ import warnings
 import cloudpickle
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from labkit import perf
-from labkit.models import convnet, small_cnn
+from labkit import ddp, perf
+from labkit.models import convnet, small_cnn, vgg16_flops
+from tests.fakes import VGG_TINY
 
 # Ship this module's functions by value, as a notebook's are.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -109,9 +109,9 @@ def test_other_failures_are_raised():
     (convnet(4), _images(), {"a": {"amp": "fp8"}}, {}, "amp must be None, 'bf16' or 'fp16'"),
     (nn.Linear(3, 2), (torch.randn(4, 3), torch.zeros(4).long()),
      {"a": {"channels_last": True}}, {}, "leave channels_last=False"),
-    (convnet(4), _images(), {"a": {}}, {"steps": 0}, "steps must be an int >= 1"),
-    (convnet(4), _images(), {"a": {}}, {"warmup": -1}, "warmup must be an int >= 0"),
-    (convnet(4), _images(), {"a": {}}, {"repeats": 1.5}, "repeats must be an int >= 1"),
+    (convnet(4), _images(), {"a": {}}, {"steps": 0}, "steps must be a whole number >= 1"),
+    (convnet(4), _images(), {"a": {}}, {"warmup": -1}, "warmup must be a whole number >= 0"),
+    (convnet(4), _images(), {"a": {}}, {"repeats": 1.5}, "repeats must be a whole number >= 1"),
 ])
 def test_compare_steps_refuses_bad_input(model, batch, variants, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -200,7 +200,7 @@ def test_pin_memory_without_a_gpu_is_reported_not_warned(monkeypatch):
     assert r["pin_memory"] is True and r["pinned"] is False
 
 
-def test_loader_sweep_alternates_the_settings_and_keeps_medians(monkeypatch):
+def test_compare_loaders_alternates_the_settings_and_keeps_medians(monkeypatch):
     calls = []
     real = perf.loader_throughput
 
@@ -209,7 +209,7 @@ def test_loader_sweep_alternates_the_settings_and_keeps_medians(monkeypatch):
         return real(dataset, workers=workers, pin_memory=pin_memory, **kwargs)
 
     monkeypatch.setattr(perf, "loader_throughput", recording)
-    rows = perf.loader_sweep(_dataset(), [(0, False), (0, True)], repeats=3, batch_size=16)
+    rows = perf.compare_loaders(_dataset(), [(0, False), (0, True)], repeats=3, batch_size=16)
     assert calls == [(0, False), (0, True), (0, True), (0, False), (0, False), (0, True)]
     assert [(r["workers"], r["pin_memory"]) for r in rows] == [(0, False), (0, True)]
     for r in rows:
@@ -219,20 +219,20 @@ def test_loader_sweep_alternates_the_settings_and_keeps_medians(monkeypatch):
 
 @pytest.mark.parametrize("settings, kwargs, match", [
     ([], {}, r"\(workers, pin_memory\) pairs"), ([2], {}, r"\(workers, pin_memory\) pairs"),
-    ("0", {}, "pairs"), ([(0, False)], {"repeats": 0}, "repeats must be an int >= 1"),
-    ([(-1, False)], {}, "workers must be an int >= 0"),
+    ("0", {}, "pairs"), ([(0, False)], {"repeats": 0}, "repeats must be a whole number >= 1"),
+    ([(-1, False)], {}, "workers must be a whole number >= 0"),
 ])
-def test_loader_sweep_refuses_bad_settings(settings, kwargs, match):
+def test_compare_loaders_refuses_bad_settings(settings, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        perf.loader_sweep(_dataset(), settings, **kwargs)
+        perf.compare_loaders(_dataset(), settings, **kwargs)
 
 
 @pytest.mark.parametrize("dataset, kwargs, match", [
     (iter(range(3)), {}, "map-style Dataset"),
-    (_dataset(), {"workers": -1}, "workers must be an int >= 0"),
-    (_dataset(), {"batch_size": 0}, "batch_size must be an int >= 1"),
-    (_dataset(), {"batches": 0}, "batches must be an int >= 1"),
-    (_dataset(), {"repeats": 0}, "repeats must be an int >= 1"),
+    (_dataset(), {"workers": -1}, "workers must be a whole number >= 0"),
+    (_dataset(), {"batch_size": 0}, "batch_size must be a whole number >= 1"),
+    (_dataset(), {"batches": 0}, "batches must be a whole number >= 1"),
+    (_dataset(), {"repeats": 0}, "repeats must be a whole number >= 1"),
     (_dataset(8), {"batch_size": 16}, "8 samples, fewer than one batch of 16"),
 ])
 def test_loader_throughput_refuses_bad_input(dataset, kwargs, match):
@@ -257,7 +257,7 @@ def test_one_micro_batch_is_the_batch_itself():
 
 
 @pytest.mark.parametrize("k, match", [(3, r"does not split into 3.*e.g. \[2, 4, 8, 16\]"),
-                                      (0, "micro_batches must be an int >= 1")])
+                                      (0, "micro_batches must be a whole number >= 1")])
 def test_accumulation_check_refuses_unequal_micro_batches(k, match):
     with pytest.raises(ValueError, match=match):
         perf.accumulation_check(convnet(width=4), _images(16), k)
@@ -276,20 +276,11 @@ def test_powersgd_bytes_follow_the_compression_rule():
     assert perf.powersgd_bytes(layer, rank=40)["ratio"] == 1.0
 
 
-@pytest.mark.parametrize("kwargs, match", [({"rank": 0}, "rank must be an int >= 1"),
+@pytest.mark.parametrize("kwargs, match", [({"rank": 0}, "rank must be a whole number >= 1"),
                                            ({"min_compression_rate": 0}, "must be > 0")])
 def test_powersgd_bytes_refuses_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         perf.powersgd_bytes(nn.Linear(4, 4), **kwargs)
-
-
-def test_counting_allreduce_counts_and_restores(group):
-    real = dist.all_reduce
-    counter = {"calls": 0, "bytes": 0}
-    with perf._counting_allreduce(counter):
-        dist.all_reduce(torch.ones(10))
-        dist.all_reduce(torch.ones(4, dtype=torch.float16))
-    assert counter == {"calls": 2, "bytes": 48} and dist.all_reduce is real
 
 
 def test_comm_hook_sweep_on_one_rank(group):
@@ -313,8 +304,8 @@ def test_comm_hook_sweep_on_one_rank(group):
     ({"hooks": "fp16"}, "hooks must be a list"),
     ({"hooks": []}, "hooks must be a list"),
     ({"steps": 5, "powersgd_start": 10}, "use steps > 10"),
-    ({"powersgd_start": 1}, "powersgd_start must be an int >= 2"),
-    ({"batch": 0}, "batch must be an int >= 1"),
+    ({"powersgd_start": 1}, "powersgd_start must be a whole number >= 2"),
+    ({"batch": 0}, "batch must be a whole number >= 1"),
 ])
 def test_comm_hook_sweep_refuses_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -325,7 +316,7 @@ def test_worker_functions_need_a_process_group():
     with pytest.raises(RuntimeError, match="labkit.launch"):
         perf.comm_hook_sweep(steps=3, powersgd_start=2)
     with pytest.raises(RuntimeError, match="labkit.launch"):
-        perf.overlap_sweep([25])
+        ddp.bucket_sweep([25], overlap=True)
 
 
 def _small_mlp():
@@ -333,31 +324,11 @@ def _small_mlp():
                          nn.Linear(256, 10))
 
 
-def test_overlap_sweep_on_one_rank(group):
-    rows = perf.overlap_sweep([0.1, 100], model=_small_mlp, batch=8, steps=1, warmup=1,
-                              repeats=2)
-    assert [r["bucket_cap_mb"] for r in rows] == [0.1, 100]
-    assert rows[0]["buckets"] > rows[1]["buckets"] == 1
-    for r in rows:
-        assert min(r["compute_s"], r["overlapped_s"], r["serial_s"]) > 0 and r["ranks"] == 1
-        assert r["comm_s"] == pytest.approx(r["serial_s"] - r["compute_s"])
-        assert r["hidden_fraction"] is None or isinstance(r["hidden_fraction"], float)
-
-
-@pytest.mark.parametrize("caps, kwargs, match", [
-    ([], {}, "caps_mb must be positive sizes"), ([0], {}, "caps_mb must be positive sizes"),
-    (25, {}, "caps_mb must be positive sizes"), ([25], {"repeats": 0}, "repeats must be"),
-])
-def test_overlap_sweep_refuses_bad_input(caps, kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        perf.overlap_sweep(caps, **kwargs)
-
-
 def tuning_workers() -> tuple:
     """Both data-parallel sweeps in one launch (each launch costs seconds)."""
     return (perf.comm_hook_sweep(steps=12, batch=16, powersgd_start=4),
-            perf.overlap_sweep([0.1, 100], model=_small_mlp, batch=8, steps=2, warmup=1,
-                               repeats=1))
+            ddp.bucket_sweep([0.1, 100], model=_small_mlp, batch=8, steps=2, warmup=1,
+                             repeats=1, overlap=True))
 
 
 @pytest.mark.slow
@@ -374,7 +345,7 @@ def test_two_ranks_halve_bytes_and_agree():
     assert by["powersgd"]["bytes_per_step"] == perf.powersgd_bytes(small_cnn(10, 16))[
         "compressed_bytes"]
     assert all(abs(r["val_acc"] - by["none"]["val_acc"]) < 0.2 for r in hooks0)
-    assert [r["buckets"] for r in overlap0] == [r["buckets"] for r in overlap1]
+    assert [r["allreduces"] for r in overlap0] == [r["allreduces"] for r in overlap1]
     assert overlap0 == overlap1  # the slowest rank's times, on every rank
 
 
@@ -400,8 +371,9 @@ def test_profile_top_ops_names_the_costly_operators(tmp_path):
 
 
 @pytest.mark.parametrize("fn, kwargs, match", [
-    ("step", {}, "fn must be a callable"), (lambda: None, {"n": 0}, "n must be an int >= 1"),
-    (lambda: None, {"steps": 0}, "steps must be an int >= 1"),
+    ("step", {}, "fn must be a callable"),
+    (lambda: None, {"n": 0}, "n must be a whole number >= 1"),
+    (lambda: None, {"steps": 0}, "steps must be a whole number >= 1"),
 ])
 def test_profile_top_ops_refuses_bad_input(fn, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -450,6 +422,90 @@ def test_results_table_refuses_bad_rows(rows, match):
         perf.results_table(rows)
 
 
+# ---- timing verdicts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("measured, verdict, cause", [
+    (1.4, "as expected", None), (1.1, "as expected", None), (2.0, "as expected", None),
+    (0.8, "below the expected band", "noise"), (2.5, "above the expected band", "overhead")])
+def test_timing_verdict_names_the_band_the_value_and_the_cause(measured, verdict, cause):
+    got = perf.timing_verdict("recompute (x)", measured, (1.1, 2.0), below="noise",
+                              above="overhead")
+    assert (got["verdict"], got["cause"], got["ok"]) == (verdict, cause, cause is None)
+    first = got["text"].splitlines()[0]
+    assert first == f"recompute (x): expected 1.10 to 2.00, measured {measured:.2f}: {verdict}"
+    assert ("likely cause: " + cause in got["text"]) if cause else "likely" not in got["text"]
+
+
+@pytest.mark.parametrize("measured, expected, match", [
+    (float("nan"), (0, 1), "measured must be a number, got nan"),
+    (None, (0, 1), "measured must be a number, got None: time the claim first"),
+    (True, (0, 1), "measured must be a number"),
+    (0.5, (1, 0), r"\(low, high\) band with low <= high, got \(1, 0\)")])
+def test_timing_verdict_refuses_bad_input(measured, expected, match):
+    with pytest.raises(ValueError, match=match):
+        perf.timing_verdict("x", measured, expected, below="a", above="b")
+
+
+def _bucket_row(cap, buckets, hidden, ranks=2):
+    return {"bucket_cap_mb": cap, "allreduces": float(buckets), "step_s": 0.1, "compute_s": 0.05,
+            "serial_s": 0.15, "comm_s": 0.1, "hidden_fraction": hidden, "ranks": ranks}
+
+
+@pytest.mark.parametrize("backend, cores, shares, verdict, band", [
+    ("nccl", 16, (0.8, 0.9), "as expected", (0.5, 1.0)),
+    ("nccl", 16, (0.1, 0.2), "below the expected band", (0.5, 1.0)),
+    ("gloo", 2, (0.1, 0.2), "as expected", (-0.25, 0.5)),       # 2 ranks on 2 cores: little
+    ("gloo", 2, (0.7, 0.9), "above the expected band", (-0.25, 0.5)),
+    ("gloo", 4, (0.1, 0.5), "as expected", (0.2, 1.0)),         # a spare core per rank
+    ("gloo", 8, (0.0, 0.1), "below the expected band", (0.2, 1.0))])
+def test_overlap_check_judges_the_multi_bucket_caps_against_the_hardware(backend, cores, shares,
+                                                                         verdict, band):
+    rows = [_bucket_row(0.25, 12, shares[0]), _bucket_row(4, 3, shares[1]),
+            _bucket_row(25, 1, 0.05)]
+    got = perf.overlap_check(rows, backend=backend, cores=cores)
+    assert got["measured"] == pytest.approx(sum(shares) / 2)  # the one-bucket row is left out
+    assert (got["verdict"], got["expected"], got["control"]) == (verdict, band, 0.05)
+    lines = got["text"].splitlines()
+    assert lines[0].startswith(f"communication hidden by DDP's overlap ({backend}, 2 ranks")
+    assert lines[1].startswith("  the band: ")
+    assert lines[-1] == "  control: one bucket hides 5% (nothing can hide there: this run's noise)"
+    assert ("likely cause" in got["text"]) == (verdict != "as expected")
+
+
+def test_overlap_check_blames_the_noise_when_the_control_is_far_from_zero():
+    rows = [_bucket_row(0.25, 12, 0.9), _bucket_row(25, 1, -0.6)]
+    got = perf.overlap_check(rows, backend="gloo", cores=2)
+    assert got["verdict"] == "above the expected band" and got["control"] == -0.6
+    assert got["cause"].startswith("the one-bucket control, which can hide nothing, reads -60%")
+    assert "control: one bucket" not in got["text"]  # said once, as the cause
+    # Within the band, a large control still gets its line: the figure is that uncertain.
+    got = perf.overlap_check([_bucket_row(0.25, 12, 0.3), _bucket_row(25, 1, -0.4)],
+                             backend="gloo", cores=2)
+    assert got["verdict"] == "as expected" and got["cause"] is None
+    assert got["text"].splitlines()[-1] == ("  control: one bucket hides -40% (nothing can hide "
+                                            "there: this run's noise is as large as the effect)")
+
+
+def test_overlap_check_without_a_measurable_cap_says_so():
+    rows = [_bucket_row(0.25, 12, None), _bucket_row(25, 1, None)]
+    got = perf.overlap_check(rows, backend="gloo", cores=2)
+    assert got["verdict"] == "not measurable" and got["measured"] is None and not got["ok"]
+    assert "use smaller caps or a larger model" in got["text"]
+
+
+@pytest.mark.parametrize("rows, kwargs, match", [
+    ([_bucket_row(1, 2, 0.5)], {"backend": "mpi"},
+     r"'nccl' \(GPUs\) or 'gloo' \(CPUs\), got 'mpi'"),
+    ([], {"backend": "gloo"}, r"no rows: pass the rows of labkit.ddp.bucket_sweep"),
+    ([{"bucket_cap_mb": 1, "allreduces": 2, "step_s": 0.1, "ranks": 2}], {"backend": "gloo"},
+     r"rows lack \['compute_s', 'hidden_fraction', 'serial_s'\]: .*overlap=True"),
+])
+def test_overlap_check_refuses_bad_input(rows, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perf.overlap_check(rows, **kwargs)
+
+
 # ---------------------------------------------------------------------------------- on GPUs
 
 
@@ -466,3 +522,81 @@ def test_mixed_precision_and_channels_last_on_a_gpu():
     ops = perf.profile_top_ops(lambda: nn.functional.cross_entropy(
         convnet(width=8).cuda()(x), y).backward(), n=5)
     assert ops[0]["clock"] == "device"
+
+
+# ------------------------------------------------------------------ VGG16 throughput, MFU
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H200", "bf16", 989.4), ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H200 NVL", "bf16", 835.0),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5), ("NVIDIA L40S", "bf16", 362.1),
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA L40", "bf16", None), ("cpu", "fp32", None),
+    ("NVIDIA H200", "fp8", None),
+])
+def test_peak_table(name, precision, peak):
+    assert perf.peak_tflops(name, precision) == peak
+
+
+def test_vgg16_throughput_tiny_cpu_run():
+    rows = perf.vgg16_throughput(perf.VGG16_VARIANTS, device="cpu", **VGG_TINY)
+    assert [r["variant"] for r in rows] == list(perf.VGG16_VARIANTS)
+    flops = 3 * vgg16_flops(32, 1 / 16, 10)
+    for r in rows[:3]:  # fp32, bf16, bf16 + channels_last all measured
+        assert r["skipped"] is None and r["images_per_s"] > 0 and r["step_s"] > 0
+        assert r["images_per_s"] == pytest.approx(2 / r["step_s"])
+        assert r["tflops"] == pytest.approx(r["images_per_s"] * flops / 1e12)
+        assert r["mfu"] is None and r["peak_tflops"] is None  # no peak for a CPU: "n/a"
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "bf16", "bf16"]
+    assert rows[3]["images_per_s"] is None and "GPUs only" in rows[3]["skipped"]
+
+
+def test_vgg16_a_failing_compile_is_skipped_with_the_reason(monkeypatch):
+    import torch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler\nmore detail")
+
+    monkeypatch.setattr(perf, "_skip_reason", lambda variant, device: None)
+    monkeypatch.setattr(torch, "compile", broken)
+    (row,) = perf.vgg16_throughput(["bf16+channels_last+compile"], device="cpu", **VGG_TINY)
+    assert row["skipped"] == "torch.compile failed: RuntimeError: no C++ compiler"
+
+
+def test_vgg16_failures_other_than_compile_are_raised(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(perf, "_time_vgg16_variant", broken)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        perf.vgg16_throughput(["fp32"], device="cpu", **VGG_TINY)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"variants": ["fp16"]}, r"unknown VGG16 variant 'fp16'.*fp32, bf16"),
+    ({"variants": []}, r"unknown VGG16 variant None"),
+    ({"batch_size": 0}, r"batch_size must be a whole number >= 1"),
+    ({"steps": 0}, r"steps must be a whole number >= 1"),
+    ({"repeats": 0}, r"repeats must be a whole number >= 1"),
+    ({"warmup": -1}, r"warmup must be a whole number >= 0"),
+])
+def test_vgg16_throughput_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        perf.vgg16_throughput(**{**VGG_TINY, "device": "cpu", **kwargs})
+
+
+@pytest.mark.gpu
+def test_vgg16_throughput_on_a_gpu():
+    import torch
+
+    rows = perf.vgg16_throughput(device="cuda", image_size=64, width=0.25, batch_size=16, steps=3,
+                            warmup=2, repeats=1)
+    name = torch.cuda.get_device_name(0)
+    for r in rows[:3]:
+        assert r["skipped"] is None and r["images_per_s"] > 0
+        assert r["device"] == "cuda:0" and r["device_name"] == name
+        if perf.peak_tflops(name, r["precision"]) is not None:
+            assert 0 < r["mfu"] < 1
+    assert rows[0]["precision"] in ("tf32", "fp32")
+    compiled = rows[3]
+    assert compiled["images_per_s"] or compiled["skipped"].startswith("torch.compile failed")

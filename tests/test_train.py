@@ -56,6 +56,24 @@ def test_bf16_autocast_runs_on_cpu():
     assert history[0]["val_loss"] > 0
 
 
+def test_fit_leaves_a_frozen_batch_norm_base_exactly_as_it_was():
+    from labkit.models import freeze, vgg16
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 3, (16,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    model = vgg16(3, width=1 / 16, image_size=32, batch_norm=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fit(model, loader, loader, TrainConfig(epochs=1, lr=1e-3, optimizer="adam"))
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert any(k.endswith("running_mean") for k in changed)  # unfrozen: statistics move
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    freeze(model.features)
+    fit(model, loader, loader, TrainConfig(epochs=1, lr=1e-3, optimizer="adam"))
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("classifier.") for k in changed)
+
+
 def test_everything_frozen_is_a_clear_error():
     model = tiny_model()
     for p in model.parameters():
