@@ -19,12 +19,13 @@ STAMP := $(VENV)/.labkit-installed-$(HASH)
 SINGLE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 
-.PHONY: help install lab test lint unit notebooks bench lock clean
+.PHONY: help install lab test lint unit notebooks bench gpu-check lock clean
 
 help:
 	@echo "make lab    start JupyterLab on notebooks/ (HOST=$(HOST) PORT=$(PORT))"
 	@echo "make test   lint, unit tests, every notebook in the smoke profile"
 	@echo "make bench  run the benchmarks and print their figures"
+	@echo "make gpu-check  the GPU paths in <5 min, no venv or Jupyter (PYTHON=$(PYTHON))"
 
 install: $(STAMP)
 
@@ -59,6 +60,11 @@ endif
 
 bench: install
 	$(SINGLE_THREAD) $(PY) -m labkit bench
+
+# On a lent GPU machine: no venv, no install, no Jupyter; any Python with torch (PYTHON=...).
+# Tests, VGG16 figures, cold and warm NCCL launches in under 5 minutes, one summary at the end.
+gpu-check:
+	PYTHONPATH=. $(PYTHON) tests/gpu_check.py
 
 # Re-resolve constraints.txt from pyproject's ranges in a scratch venv.
 lock:

@@ -3,6 +3,37 @@
 ``import labkit`` is cheap and framework-free: it imports neither torch nor TensorFlow
 (TensorFlow notebooks import labkit too, and torchvision imported after TensorFlow in one
 process crashes). Everything that needs a framework is loaded on first use.
+
+Every notebook starts workers with :func:`labkit.launch` (``launcher``, the worker shim
+``_worker``) and sizes itself with :func:`labkit.knob` (``profile``); beyond those, each
+notebook's code lives in the rooms named for its topic:
+
+- 00 environment check: ``doctor`` (facts and checks), ``bench`` (the first all-reduce, its
+  sweep and the alpha-beta fit), ``plots``.
+- 01 VGG16 and augmentation (and its Keras twin): ``data``, ``augment``, ``models``, ``train``,
+  ``check`` (the graded exercises), ``plots``.
+- 02 data parallelism (and its Keras twin): ``ddp`` (batch arithmetic, rank-0 checkpoints,
+  the scaling sweep and its prediction, gradient buckets, the all-reduce counter), ``bench``
+  (the link's alpha and beta), ``train``, ``data``, ``models``, ``plots``.
+- 03 model parallelism: ``parallel.pipeline``, ``parallel.tensor``, ``parallel.memory``,
+  ``plots``.
+- 04 performance tuning: ``perf`` (each technique against its baseline, VGG16's throughput and
+  MFU), ``ddp.bucket_sweep`` (overlap), ``data``, ``augment``, ``models``, ``plots``.
+- 05 problem diagnosis: ``diagnose``.
+- 06 custom algorithms: ``parallel.collectives``, ``parallel.parameter_server``,
+  ``parallel.compression``, ``bench``, ``data``, ``plots``.
+- 07 resources and multi-node: ``resources``, ``elastic``, ``slurm``, ``data``, ``models``,
+  ``plots``.
+- 08 capstone: ``capstone`` (the grader), ``ddp`` (the scaling report; ``predict_efficiency``
+  for the case studies), ``train``, ``data``, ``augment``, ``models``, ``perf`` (peak FLOP/s),
+  ``plots``.
+
+Private modules with public names hold what several rooms share: ``_dist`` (the device a
+collective needs, barriers, the slowest rank's time, timed training steps), ``_sizes`` (the
+one whole-number check, divisor suggestions), ``_protocol`` (the launcher's contract with its
+workers: the ``Job``, the run folder's file names, the controller's variables) and
+``_progress`` (``labkit.progress``, per-rank bars fed through the workers' output).
+``docs/ARCHITECTURE.md`` describes the rooms, the data flow and the launcher's protocol.
 """
 
 from __future__ import annotations
@@ -21,10 +52,14 @@ _LAZY = {
     "LaunchTimeout": ".launcher",
     "LaunchResult": ".launcher",
     "stray_workers": ".launcher",
+    "workers": ".launcher",  # warm ranks that run function after function
+    "stop_workers": ".launcher",
+    "use_warm": ".launcher",
+    "progress": "._progress",
 }
 
-_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check", "ddp",
-                 "perf", "diagnose", "elastic", "resources", "slurm")
+_LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",
+                 "capstone", "ddp", "perf", "diagnose", "elastic", "resources", "slurm")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

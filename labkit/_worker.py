@@ -2,7 +2,9 @@
 
 ``python -m labkit._worker RUN_DIR`` reads the job from ``RUN_DIR/job.pkl``, prepares the rank
 (output prefix, stack dumps on demand, controller watchdog, GPU binding, process group), runs
-it, and leaves the outcome in ``RUN_DIR``: ``result-<rank>.pkl`` or ``error-<rank>.pkl``.
+it, and leaves the outcome in ``RUN_DIR``: ``result-<rank>.pkl`` or ``error-<rank>.pkl``. A
+warm pool's job ("serve") forms the process group once and then runs task after task (see
+:func:`_serve`). The file names and the job's fields are :mod:`labkit._protocol`'s.
 Nothing here imports torch at module level: TensorFlow workers must stay torch-free.
 """
 
@@ -18,7 +20,23 @@ import threading
 import time
 import traceback
 
-STACK_SIGNAL = signal.SIGUSR1
+from ._protocol import (
+    CONTROLLER_PID,
+    CONTROLLER_START,
+    JOB_FILE,
+    RUN_TASK,
+    STACK_SIGNAL,
+    Job,
+    Task,
+    end_of_task,
+    error_file,
+    fifo_file,
+    pid_file,
+    process_start_time,
+    result_file,
+    stack_file,
+    task_file,
+)
 
 
 def _env_int(name: str, default: int = 0) -> int:
@@ -67,14 +85,6 @@ def _close_output(thread: threading.Thread) -> None:
     thread.join(timeout=2.0)
 
 
-def process_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except OSError:
-        return None
-
-
 def _watch_controller(pid: int, start: str, agent_pid: int, run_dir: str) -> None:
     """Die with the notebook kernel: if the controller is gone, stop the agent and this rank.
 
@@ -82,14 +92,20 @@ def _watch_controller(pid: int, start: str, agent_pid: int, run_dir: str) -> Non
     """
     while True:
         time.sleep(0.5)
-        alive = process_start_time(pid) == start if start else _pid_alive(pid)
-        if not alive:
+        if not _controller_alive(pid, start):
             shutil.rmtree(run_dir, ignore_errors=True)
             try:
                 os.kill(agent_pid, signal.SIGTERM)
             except OSError:
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _controller_alive(pid: int | None = None, start: str | None = None) -> bool:
+    """Whether the controller named in this rank's environment still runs (not a reused pid)."""
+    pid = _env_int(CONTROLLER_PID) if pid is None else pid
+    start = os.environ.get(CONTROLLER_START, "") if start is None else start
+    return process_start_time(pid) == start if start else _pid_alive(pid)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -110,6 +126,7 @@ def _write(run_dir: str, name: str, payload: bytes) -> None:
 
 
 def _error_payload(exc: BaseException, rank: int, what: str = "") -> bytes:
+    """A rank's error record, whole: the controller shortens what it shows of a huge message."""
     import cloudpickle
 
     return cloudpickle.dumps(
@@ -118,6 +135,9 @@ def _error_payload(exc: BaseException, rank: int, what: str = "") -> bytes:
             "type": type(exc).__name__,
             "message": what or str(exc),
             "traceback": _user_traceback(exc),
+            # The traceback's last lines repeat the message ("ValueError: ..."); knowing them
+            # lets the controller show the frames without a second copy of a huge text.
+            "exception_only": "".join(traceback.format_exception_only(type(exc), exc)),
             "time": time.time(),
         }
     )
@@ -145,13 +165,14 @@ def _to_cpu(value):
     return value
 
 
-def _bind_device(job: dict, local_rank: int):
-    """Give each local rank its own GPU; TensorFlow ranks see only theirs (TF grabs all by default)."""
-    gpus = job["gpus"]
+def _bind_device(job: Job, local_rank: int):
+    """Give each local rank its own GPU; TensorFlow ranks see only theirs (TF grabs all by
+    default)."""
+    gpus = job.gpus
     if not gpus:
         return None
     gpu = local_rank % gpus
-    if job["framework"] == "tensorflow":
+    if job.framework == "tensorflow":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[gpu]
@@ -162,24 +183,26 @@ def _bind_device(job: dict, local_rank: int):
     return torch.device("cuda", gpu)
 
 
-def _init_torch(job: dict, device):
+def _init_torch(job: Job, device, namespace: str = ""):
     import torch.distributed as dist
 
     kwargs = {}
-    if job["backend"] == "nccl" and device is not None:
+    if job.backend == "nccl" and device is not None:
         kwargs["device_id"] = device  # eager NCCL init: a bad setup fails here, not mid-step
     # torchrun keeps one store for all attempts of a run (launch(max_restarts=...)), and a
     # dead attempt's keys stay in it: the new ranks could read the old ranks' addresses and
     # fail to connect. A prefix per attempt gives each attempt a clean namespace.
+    # (A warm rank that forms its group again after a run adds a namespace of that run's own.)
     store, rank, world_size = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(job["backend"], store=dist.PrefixStore(f"labkit/attempt-{attempt}", store),
+    prefix = f"labkit/attempt-{attempt}{namespace}"
+    dist.init_process_group(job.backend, store=dist.PrefixStore(prefix, store),
                             rank=rank, world_size=world_size, **kwargs)
     return dist
 
 
-def _tf_config(job: dict, rank: int) -> None:
-    workers = [f"127.0.0.1:{port}" for port in job["tf_ports"]]
+def _tf_config(job: Job, rank: int) -> None:
+    workers = [f"127.0.0.1:{port}" for port in job.tf_ports]
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
     )
@@ -197,19 +220,18 @@ def _wait_for_peers(dist, world_size: int) -> None:
         time.sleep(0.05)
 
 
-def _run(job: dict, rank: int):
-    mode = job["mode"]
-    if mode == "script":
+def _run(job: Job | Task, rank: int):
+    if isinstance(job, Job) and job.mode == "script":
         import runpy
 
-        sys.argv = [job["script"], *job["script_args"]]
+        sys.argv = [job.script, *job.script_args]
         try:
-            runpy.run_path(job["script"], run_name="__main__")
+            runpy.run_path(job.script, run_name="__main__")
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
         return None
-    fn, args, kwargs = job["payload"]
+    fn, args, kwargs = job.payload
     return fn(*args, **kwargs)
 
 
@@ -220,27 +242,35 @@ def main(run_dir: str) -> int:
     local_rank = _env_int("LOCAL_RANK")
     world_size = _env_int("WORLD_SIZE", 1)
     pump = _prefix_output(rank)
-    with open(os.path.join(run_dir, f"stack-{rank}.txt"), "w") as stack_file:
-        faulthandler.register(STACK_SIGNAL, file=stack_file, all_threads=True)
-        faulthandler.enable(file=stack_file)  # a native crash leaves its stack too
-        _write(run_dir, f"pid-{rank}", json.dumps({"pid": os.getpid(), "local_rank": local_rank}).encode())
+    with open(os.path.join(run_dir, stack_file(rank)), "w") as stacks:
+        faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks)  # a native crash leaves its stack too
+        _write(run_dir, pid_file(rank),
+               json.dumps({"pid": os.getpid(), "local_rank": local_rank}).encode())
         threading.Thread(
             target=_watch_controller,
-            args=(_env_int("LABKIT_CONTROLLER_PID"), os.environ.get("LABKIT_CONTROLLER_START", ""), os.getppid(),
+            args=(_env_int(CONTROLLER_PID), os.environ.get(CONTROLLER_START, ""), os.getppid(),
                   run_dir),
             name="labkit-watchdog",
             daemon=True,
         ).start()
         code = _main_body(run_dir, rank, local_rank, world_size, cloudpickle)
         _close_output(pump)
+    if "tensorflow" in sys.modules:
+        # At exit the garbage collector walks every object, seconds with TensorFlow's hundreds
+        # of thousands; the outcome is written, so exclude them (refcounts still free the rest).
+        import gc
+
+        gc.freeze()
     return code
 
 
-def _load_job(run_dir: str, cloudpickle) -> dict:
-    """Install the controller's sys.path and source lines (for tracebacks), then unpickle the job."""
+def _load_job(path: str, cloudpickle) -> Job | Task:
+    """Install the controller's sys.path and source lines (for tracebacks), then unpickle the
+    job."""
     import linecache
 
-    with open(os.path.join(run_dir, "job.pkl"), "rb") as f:
+    with open(path, "rb") as f:
         outer = cloudpickle.load(f)
     # Functions from the notebook's own modules are pickled by reference: make them importable.
     sys.path.extend(p for p in outer["sys_path"] if p not in sys.path)
@@ -252,16 +282,28 @@ def _load_job(run_dir: str, cloudpickle) -> dict:
 def _main_body(run_dir, rank, local_rank, world_size, cloudpickle) -> int:
     dist = None
     try:
-        job = _load_job(run_dir, cloudpickle)
+        job = _load_job(os.path.join(run_dir, JOB_FILE), cloudpickle)
         device = _bind_device(job, local_rank)
-        if job["framework"] == "tensorflow":
+        if job.framework == "tensorflow":
             _tf_config(job, rank)
-        elif job["mode"] != "script":
+        elif job.mode != "script":
             dist = _init_torch(job, device)
+        if job.mode == "serve":
+            return _serve(run_dir, rank, job, device, cloudpickle)
         value = _to_cpu(_run(job, rank))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
-        _write(run_dir, f"error-{rank}.pkl", _error_payload(exc, rank))
+        _write(run_dir, error_file(rank), _error_payload(exc, rank))
         return 1
+    if not _report(run_dir, rank, value, cloudpickle):
+        return 1
+    if dist is not None and dist.is_initialized():
+        _wait_for_peers(dist, world_size)
+        dist.destroy_process_group()
+    return 0
+
+
+def _report(run_dir: str, rank: int, value, cloudpickle) -> bool:
+    """Write the rank's result; an error record instead if the value cannot travel."""
     try:
         payload = cloudpickle.dumps(value)
     except Exception as exc:
@@ -269,13 +311,217 @@ def _main_body(run_dir, rank, local_rank, world_size, cloudpickle) -> int:
             f"the return value of rank {rank} ({type(value).__name__}) cannot be pickled: {exc}. "
             "Return plain data (numbers, lists, dicts, tensors) instead"
         )
-        _write(run_dir, f"error-{rank}.pkl", _error_payload(exc, rank, what))
-        return 1
-    _write(run_dir, f"result-{rank}.pkl", payload)
-    if dist is not None and dist.is_initialized():
-        _wait_for_peers(dist, world_size)
+        _write(run_dir, error_file(rank), _error_payload(exc, rank, what))
+        return False
+    _write(run_dir, result_file(rank), payload)
+    return True
+
+
+# ---- warm ranks: the "serve" job --------------------------------------------------------------
+
+
+def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle) -> int:
+    """A warm rank: with the group formed once, run task after task until told to stop.
+
+    The rank blocks in read() on its FIFO, which costs no CPU while idle; the controller's one
+    byte wakes it at once. The read sees EOF when the controller is gone: that ends it too.
+    """
+    import torch.distributed as dist
+
+    slate = _Slate(job, device)
+    fifo = os.open(os.path.join(run_dir, fifo_file(rank)), os.O_RDONLY)
+    try:
+        _mark_end(0)  # the process group is formed: ready for task 1
+        number = 0
+        while os.read(fifo, 1) == RUN_TASK:
+            number += 1
+            _serve_one(run_dir, rank, number, cloudpickle, slate)
+            try:
+                # After _serve_one returned: the run's locals are gone, so what still holds
+                # CUDA memory now is really kept alive by the run.
+                slate.restore(rank, number)
+            except BaseException as exc:  # noqa: BLE001 - the controller must stop this pool
+                what = (f"the warm rank {rank} could not restore its state after the run: "
+                        f"{type(exc).__name__}: {exc}. The warm workers are stopped; the next "
+                        "warm run starts fresh ones")
+                _write(run_dir, error_file(rank), _error_payload(exc, rank, what))
+                _mark_end(number)
+                return 1
+            _mark_end(number)
+    finally:
+        os.close(fifo)
+    if not _controller_alive():
+        # EOF: the kernel died. This rank may be gone before its watchdog looks (0.5 s), so it
+        # removes the run folder now, as the watchdog would.
+        shutil.rmtree(run_dir, ignore_errors=True)
+    # QUIT or EOF: every rank is idle, so the group can go down without a peer inside it.
+    if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _serve_one(run_dir: str, rank: int, number: int, cloudpickle, slate: _Slate) -> None:
+    """Run task ``number`` and leave its result or error in the run folder, as a cold rank would."""
+    try:
+        task = _load_job(os.path.join(run_dir, task_file(number)), cloudpickle)
+        slate.begin(task)
+        value = _to_cpu(_run(task, rank))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
+        _write(run_dir, error_file(rank), _error_payload(exc, rank))
+        return
+    _report(run_dir, rank, value, cloudpickle)
+
+
+_LIBC = None
+
+
+def _mark_end(number: int) -> None:
+    """Flush every layer of output, then print the end-of-task line behind it."""
+    global _LIBC
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        if _LIBC is None:
+            import ctypes
+
+            _LIBC = ctypes.CDLL(None)
+        # C and C++ code (std::cout shares C's stdio) buffers a pipe's output in the process;
+        # a cold rank flushes it when it exits, a warm one must do it after every run.
+        _LIBC.fflush(None)
+    except (OSError, AttributeError):
+        pass
+    os.write(1, end_of_task(number))
+
+
+def _backend_flags(torch) -> list[tuple[object, str]]:
+    """The global switches of torch's backends that a run may flip (cuDNN, TF32, reductions)."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    return [(cudnn, "enabled"), (cudnn, "benchmark"), (cudnn, "deterministic"),
+            (cudnn, "allow_tf32"), (matmul, "allow_tf32"),
+            (matmul, "allow_fp16_reduced_precision_reduction"),
+            (matmul, "allow_bf16_reduced_precision_reduction")]
+
+
+class _Slate:
+    """What a fresh rank starts with, captured once before the first run, put back after each.
+
+    Only what is cheap to reset is reset; what persists between runs is listed in the docstring
+    of ``labkit.workers``.
+    """
+
+    def __init__(self, job: Job, device):
+        import warnings
+
+        import torch
+        import torch.distributed as dist
+
+        self.job, self.device, self.torch, self.dist = job, device, torch, dist
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.sys_path, self.argv = list(sys.path), list(sys.argv)
+        self.streams = (sys.stdout, sys.stderr)
+        self.warning_filters = list(warnings.filters)
+        self.threads = torch.get_num_threads()
+        self.dtype = torch.get_default_dtype()
+        self.default_device = torch.get_default_device()
+        self.grad = torch.is_grad_enabled()
+        self.anomaly = torch.is_anomaly_enabled()
+        self.deterministic = (torch.are_deterministic_algorithms_enabled(),
+                              torch.is_deterministic_algorithms_warn_only_enabled())
+        self.precision = torch.get_float32_matmul_precision()
+        self.flags = [(obj, name, getattr(obj, name)) for obj, name in _backend_flags(torch)]
+        self.groups = self._groups()
+        self.cuda_bytes = torch.cuda.memory_allocated(device) if device is not None else 0
+
+    def _groups(self) -> set:
+        return set(self.dist.distributed_c10d._world.pg_map)
+
+    def begin(self, task: Task) -> None:
+        """Start a run as a fresh process would: new random seeds, the controller's cwd and env."""
+        import random
+
+        self.torch.seed()  # the CPU generator and every CUDA device's, from fresh entropy
+        random.seed()
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
+        for key, value in task.environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        try:
+            os.chdir(task.cwd)
+        except OSError:  # the kernel's folder is gone or not ours: stay in the pool's
+            pass
+        if self.device is not None:
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+
+    def restore(self, rank: int, number: int) -> None:
+        """Put back what a run changed; say so if it left CUDA tensors alive."""
+        import warnings
+
+        torch, dist = self.torch, self.dist
+        sys.stdout, sys.stderr = self.streams
+        if warnings.filters != self.warning_filters:  # first: "error" would break what follows
+            warnings.filters[:] = self.warning_filters
+        # A new filters version makes "shown once" warnings show again, as in a fresh process.
+        warnings._filters_mutated()
+        sys.path[:], sys.argv[:] = self.sys_path, self.argv
+        for key in set(os.environ) - set(self.environ):
+            del os.environ[key]
+        for key, value in self.environ.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+        os.chdir(self.cwd)
+        if not dist.is_initialized():
+            # The run destroyed the default group (a script's habit): the next run needs one.
+            # Every rank does the same, so they meet again under a namespace of this run's.
+            _init_torch(self.job, self.device, f"/after-task-{number}")
+            self.groups = self._groups()
+        for group in self._groups() - self.groups:
+            dist.destroy_process_group(group)  # subgroups hold sockets or NCCL communicators
+        # Each switch is set only if the run changed it: the first call of some of them costs
+        # seconds (use_deterministic_algorithms imports half of torch's compiler stack).
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if torch.get_default_dtype() != self.dtype:
+            torch.set_default_dtype(self.dtype)
+        if torch.get_default_device() != self.default_device:
+            torch.set_default_device(None)
+        if torch.is_grad_enabled() != self.grad:
+            torch.set_grad_enabled(self.grad)
+        if torch.is_anomaly_enabled() != self.anomaly:
+            torch.set_anomaly_enabled(self.anomaly)
+        mode, warn_only = self.deterministic
+        if (torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled()) != self.deterministic:
+            torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        if torch.get_float32_matmul_precision() != self.precision:
+            torch.set_float32_matmul_precision(self.precision)  # before allow_tf32: it sets both
+        for obj, name, value in self.flags:
+            if getattr(obj, name) != value:
+                setattr(obj, name, value)
+        if self.device is not None:
+            self._cuda_memory(rank)
+
+    def _cuda_memory(self, rank: int) -> None:
+        """Give the cached CUDA memory back; report tensors that the run left alive."""
+        import gc
+
+        torch = self.torch
+        gc.collect()  # tensors in a reference cycle the run left are freed only by the collector
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated(self.device) - self.cuda_bytes
+        if left > 0:
+            print(f"[labkit] rank {rank}: this run left {left / 2**20:.1f} MiB of CUDA tensors "
+                  "alive (in a module global, a cache or a class attribute?); the warm rank keeps "
+                  "them for later runs: `del` them before the function returns, or run cold "
+                  "(warm=False)", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ with cloudpickle, so functions, classes and closures defined in notebook cells w
 
 from __future__ import annotations
 
+import atexit
+import collections
 import dataclasses
 import importlib
 import os
 import queue
+import re
 import shlex
 import shutil
 import signal
@@ -23,7 +26,29 @@ import threading
 import time
 from pathlib import Path
 
-from ._worker import STACK_SIGNAL, process_start_time
+from ._progress import MARKER, ProgressBars
+from ._protocol import (
+    CONTROLLER_PID,
+    CONTROLLER_START,
+    END_OF_TASK,
+    ERRORS,
+    JOB_FILE,
+    PIDS,
+    QUIT,
+    RESULTS,
+    RUN_PREFIX,
+    RUN_TASK,
+    STACK_SIGNAL,
+    Job,
+    Task,
+    error_file,
+    fifo_file,
+    process_start_time,
+    rank_of,
+    result_file,
+    stack_file,
+    task_file,
+)
 from .profile import visible_gpu_count
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -37,16 +62,25 @@ _AGENT_NOISE = ("Setting OMP_NUM_THREADS environment variable", "*****")
 
 
 class LaunchError(RuntimeError):
-    """A launched run failed: a rank raised, crashed, or the run could not start."""
+    """A launched run failed: a rank raised, crashed, or the run could not start.
 
-    def __init__(self, message: str, *, rank: int | None = None, logs: dict | None = None):
+    ``rank`` is the rank that failed first (a killed rank before the peers that lost it),
+    ``logs`` every rank's output lines. The message shows at most the first lines of a long
+    exception text and the traceback's last lines; ``full_message`` has the failing rank's
+    whole exception text and traceback (None when no rank raised).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, logs: dict | None = None,
+                 full_message: str | None = None):
         super().__init__(message)
         self.rank = rank
         self.logs = logs or {}
+        self.full_message = full_message
 
 
 class LaunchTimeout(LaunchError):
-    """A launched run outlived its ``timeout``; the message names the stuck ranks and their stacks."""
+    """A launched run outlived its ``timeout``; the message names the stuck ranks and their
+    stacks."""
 
     def __init__(self, message: str, *, stuck: list[int], stacks: dict[int, str], logs=None):
         super().__init__(message, rank=stuck[0] if stuck else None, logs=logs)
@@ -98,6 +132,7 @@ def launch(
     keep_run_dir: bool = False,
     env: dict | None = None,
     max_restarts: int = 0,
+    warm: bool | None = None,
     **kwargs,
 ) -> LaunchResult:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` workers with the process group ready.
@@ -128,8 +163,19 @@ def launch(
     ``labkit.elastic``). The run succeeds if an attempt finishes; the failures it survived
     are printed.
 
-    The launcher's own keywords (``nproc``, ``timeout``, ``env``, ...) are not passed on to
-    ``fn``; every other keyword argument is.
+    ``warm=True`` runs ``fn`` on the kernel's warm workers of this shape (``nproc``,
+    ``backend``, ``framework``, ``env``), started on first use and kept for the next runs:
+    a run then costs milliseconds instead of seconds (see :func:`workers` for what stays
+    alive between runs). ``warm=None``, the default, follows :func:`use_warm` or the
+    ``LABKIT_WARM=1`` environment variable, and runs cold otherwise or where warm workers
+    cannot (a script, several nodes, ``max_restarts``, ``keep_run_dir``, TensorFlow);
+    ``warm=False`` always starts fresh processes::
+
+        >>> labkit.launch(total, 10, warm=True).values    # ~3 s the first time, then ~0.02 s
+        [21, 21]
+
+    The launcher's own keywords (``nproc``, ``timeout``, ``env``, ``warm``, ...) are not passed
+    on to ``fn``; every other keyword argument is.
 
     Raises :class:`LaunchError` naming the first failing rank with its traceback, and
     :class:`LaunchTimeout` (with every stuck rank's stack) when ``timeout`` seconds pass.
@@ -141,9 +187,14 @@ def launch(
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a whole number >= 0 (0: a failure ends the run), "
                          f"got {max_restarts!r}")
-    run_dir = Path(tempfile.mkdtemp(prefix="labkit-run-"))  # mkdtemp makes it 0700
+    if _goes_warm(warm, fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir):
+        result = _kernel_pool(nproc, job.backend, framework, extra_env).run_if_free(
+            fn, args, kwargs, timeout, show_ranks, wait=warm is True)
+        if result is not None:
+            return result  # (None: the pool is busy with a run of another thread: go cold)
+    run_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))  # mkdtemp makes it 0700
     try:
-        _write_job(run_dir, job, fn, args, kwargs)
+        _write_job(run_dir, job)
         command = _torchrun_command(run_dir, nproc, nnodes, node_rank, rdzv_endpoint,
                                     max_restarts)
         if nnodes > 1:
@@ -161,50 +212,65 @@ def _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node
               rdzv_endpoint):
     """Check every argument before anything starts; return the job description and GPU count."""
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ValueError(f"nproc must be a whole number >= 1 (workers per node), got {nproc!r}")
+        raise ValueError(
+            f"nproc must be a whole number >= 1 (workers per node), got {nproc!r}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if framework not in FRAMEWORKS:
-        raise ValueError(f"unknown framework {framework!r}: use one of {', '.join(FRAMEWORKS)}")
+        raise ValueError(
+            f"unknown framework {framework!r}: use one of {', '.join(FRAMEWORKS)}")
     if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0 (or None for none), got {timeout!r}")
+        raise ValueError(
+            f"timeout must be a number of seconds > 0 (or None for none), got {timeout!r}")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {nnodes=} {node_rank=}")
+        raise ValueError(
+            f"need nnodes >= 1 and 0 <= node_rank < nnodes, got {nnodes=} {node_rank=}")
     if nnodes > 1 and not rdzv_endpoint:
-        raise ValueError("a multi-node run needs rdzv_endpoint='host:port' of node 0, the same on every node")
+        raise ValueError(
+            "a multi-node run needs rdzv_endpoint='host:port' of node 0, the same on every node")
     if framework == "tensorflow" and nnodes > 1:
-        raise ValueError("framework='tensorflow' runs on one node; for several, write TF_CONFIG per node")
+        raise ValueError(
+            "framework='tensorflow' runs on one node; for several, write TF_CONFIG per node")
     gpus = visible_gpu_count()
     if backend == "nccl":
         if gpus == 0:
-            raise ValueError("backend='nccl' needs CUDA GPUs and none is visible here: use backend='gloo' "
-                             "(or 'auto'), or check `nvidia-smi` and CUDA_VISIBLE_DEVICES")
+            raise ValueError("backend='nccl' needs CUDA GPUs and none is visible here: use "
+                             "backend='gloo' (or 'auto'), or check `nvidia-smi` and "
+                             "CUDA_VISIBLE_DEVICES")
         if gpus < nproc:
-            raise ValueError(f"backend='nccl' needs one GPU per local rank: nproc={nproc} but {gpus} GPU(s) "
-                             f"visible. Use nproc<={gpus}, or backend='gloo' to share GPUs")
+            raise ValueError(f"backend='nccl' needs one GPU per local rank: nproc={nproc} but "
+                             f"{gpus} GPU(s) visible. Use nproc<={gpus}, or backend='gloo' to "
+                             "share GPUs")
     if backend == "auto":
         backend = "nccl" if 0 < nproc <= gpus else "gloo"
     script = None
     if isinstance(fn, str | os.PathLike):
         script = Path(fn)
         if not script.is_file():
-            raise FileNotFoundError(f"no script at {str(script)!r} (looked in {os.getcwd()}): write it "
-                                    "first, e.g. with %%writefile, or pass a function")
+            raise FileNotFoundError(f"no script at {str(script)!r} (looked in {os.getcwd()}): "
+                                    "write it first, e.g. with %%writefile, or pass a function")
         if kwargs:
-            raise ValueError("a script takes command-line arguments only: pass them as strings in *args")
+            raise ValueError(
+                "a script takes command-line arguments only: pass them as strings in *args")
     elif not callable(fn):
         raise TypeError(f"launch() needs a function or a script path, got {type(fn).__name__}")
-    job = {
-        "mode": "script" if script else "function",
-        "script": str(script.resolve()) if script else None,
-        "script_args": [str(a) for a in args] if script else [],
-        "backend": backend,
-        "framework": framework,
-        "gpus": gpus,
-        "tf_ports": _free_ports(nproc) if framework == "tensorflow" else [],
-        "sys_path": [p or os.getcwd() for p in sys.path],
-    }
+    job = Job(
+        mode="script" if script else "function",
+        backend=backend,
+        framework=framework,
+        gpus=gpus,
+        sys_path=_sys_path(),
+        script=str(script.resolve()) if script else None,
+        script_args=[str(a) for a in args] if script else [],
+        tf_ports=_free_ports(nproc) if framework == "tensorflow" else [],
+        payload=None if script else (fn, args, kwargs),
+    )
     return job, gpus
+
+
+def _sys_path() -> list[str]:
+    """The controller's sys.path for the workers, '' (the current folder) spelt out."""
+    return [p or os.getcwd() for p in sys.path]
 
 
 def _check_env(env) -> dict:
@@ -212,8 +278,8 @@ def _check_env(env) -> dict:
     if env is None:
         return {}
     if not isinstance(env, dict):
-        raise ValueError(f"env must be a dict of variable names to values, got {type(env).__name__}: "
-                         "e.g. env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}")
+        raise ValueError("env must be a dict of variable names to values, got "
+                         f"{type(env).__name__}: e.g. env={{'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'}}")
     for key, value in env.items():
         if not isinstance(key, str) or not key or "=" in key or "\0" in key:
             raise ValueError(f"env: {key!r} is not a valid variable name: use a non-empty string "
@@ -222,27 +288,29 @@ def _check_env(env) -> dict:
             raise ValueError(f"env[{key!r}] is {type(value).__name__} {value!r}, but environment "
                              f"values are strings: write {key!r}: {str(value)!r}")
         if "\0" in value:
-            raise ValueError(f"env[{key!r}] contains a NUL character, which no environment can hold")
+            raise ValueError(
+                f"env[{key!r}] contains a NUL character, which no environment can hold")
     return dict(env)
 
 
-def _write_job(run_dir: Path, job: dict, fn, args, kwargs) -> None:
-    """Pickle the job by value; name the object that cannot travel if pickling fails."""
-    if job["mode"] == "function":
-        job = dict(job, payload=(fn, args, kwargs))
+def _write_job(run_dir: Path, job: Job | Task, name: str = JOB_FILE) -> None:
+    """Pickle the job by value into the run folder (whole or not at all); name the object that
+    cannot travel if pickling fails."""
     try:
         data = _dumps_with_sources(job)
     except Exception as exc:
-        culprit = _unpicklable(fn, args, kwargs)
+        culprit = _unpicklable(*job.payload) if job.payload else "the job"
         raise TypeError(
-            f"cannot send {culprit} to the workers: {type(exc).__name__}: {exc}. Workers are separate "
-            "processes; create such objects (open files, locks, CUDA tensors, generators) inside the "
-            "function instead of passing them in"
+            f"cannot send {culprit} to the workers: {type(exc).__name__}: {exc}. Workers are "
+            "separate processes; create such objects (open files, locks, CUDA tensors, generators) "
+            "inside the function instead of passing them in"
         ) from exc
-    (run_dir / "job.pkl").write_bytes(data)
+    tmp = run_dir / f".{name}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, run_dir / name)
 
 
-def _dumps_with_sources(job: dict) -> bytes:
+def _dumps_with_sources(job: Job | Task) -> bytes:
     """cloudpickle the job, keeping code's file names and shipping their source lines.
 
     cloudpickle renames shipped code "<dynamic-code>"; keeping the notebook cell's name and its
@@ -280,7 +348,8 @@ def _dumps_with_sources(job: dict) -> bytes:
     buffer = io.BytesIO()
     Pickler(buffer).dump(job)
     sources = {f: lines for f in files if (lines := linecache.getlines(f))}
-    return cloudpickle.dumps({"sources": sources, "sys_path": job["sys_path"], "job": buffer.getvalue()})
+    return cloudpickle.dumps({"sources": sources, "sys_path": job.sys_path,
+                              "job": buffer.getvalue()})
 
 
 def _unpicklable(fn, args, kwargs) -> str:
@@ -334,6 +403,8 @@ def _torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
 # torchrun, but asked (PR_SET_PDEATHSIG) to get SIGTERM when the controller dies for any reason,
 # SIGKILL included: the agent then stops its workers itself, and removes the run folder that the
 # dead controller no longer can. Runs torchrun in this same process (no extra interpreter).
+# torchrun turns SIGTERM into an exception: a second one (a rank's watchdog sends it too) must
+# not cut the clean-up short, so it is ignored from then on.
 _AGENT_BOOT = (
     "import os,sys,signal,shutil\n"
     "parent, run_dir = int(sys.argv[1]), sys.argv[-1]\n"
@@ -342,9 +413,12 @@ _AGENT_BOOT = (
     "    if os.getppid() != parent: sys.exit('labkit: controller exited before start')\n"
     "sys.argv = ['torchrun'] + sys.argv[2:]\n"
     "try:\n"
-    "    import runpy; runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
+    "    import runpy\n"
+    "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
     "finally:\n"
-    "    if os.getppid() != parent: shutil.rmtree(run_dir, ignore_errors=True)\n"
+    "    if os.getppid() != parent:\n"
+    "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "        shutil.rmtree(run_dir, ignore_errors=True)\n"
 )
 
 
@@ -353,8 +427,8 @@ def _worker_env(nproc: int, gpus: int, extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the cell as they are printed
-    env["LABKIT_CONTROLLER_PID"] = str(os.getpid())
-    env["LABKIT_CONTROLLER_START"] = process_start_time(os.getpid()) or ""
+    env[CONTROLLER_PID] = str(os.getpid())
+    env[CONTROLLER_START] = process_start_time(os.getpid()) or ""
     # A thread budget per worker: N workers each using every core would fight over them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # The kernel's matplotlib backend (inline) does not exist in a plain worker process.
@@ -381,9 +455,13 @@ def _start(run_dir: Path, command: list[str], env: dict) -> _Run:
     return _Run(run_dir, proc, lines, {}, reader)
 
 
-def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command,
-               max_restarts: int = 0) -> LaunchResult:
-    """Stream output, watch for failure and timeout, and always leave no process behind."""
+def _supervise(run: _Run, job: Job, nproc: int, timeout, show_ranks, command,
+               max_restarts: int = 0, task: _Task | None = None) -> LaunchResult:
+    """Stream output, watch for failure and timeout, and always leave no process behind.
+
+    With ``task`` (a run on warm workers) the run ends when every rank has marked the task's
+    end, and its processes are stopped only if it failed.
+    """
     __tracebackhide__ = True
     show = None if show_ranks is None else (
         {show_ranks} if isinstance(show_ranks, int) else set(show_ranks))
@@ -393,8 +471,10 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command,
     logs: dict[int, list[str]] = {}
     agent_log: list[str] = []
     dead: list[int] = []  # ranks gone without a word, seen when the first error appeared
+    bars = ProgressBars()  # the ranks' labkit.progress bars, drawn as their lines arrive
     start = time.monotonic()
     last_output = start
+    keep = False  # a warm run that went well leaves its ranks running for the next
     try:
         done = False
         while not done:
@@ -406,36 +486,55 @@ def _supervise(run: _Run, job: dict, nproc: int, timeout, show_ranks, command,
                 done = True
             elif line:
                 last_output = time.monotonic()
-                _route(line, logs, agent_log, show)
+                if task is not None:
+                    line = task.take(line)
+                    done = task.ended_by_all(nproc)
+                if line:
+                    _route(line, logs, agent_log, show, bars)
             _track(run)
-            if not max_restarts and run.proc.poll() is None and any(run.run_dir.glob("error-*.pkl")):
+            failed = (not max_restarts and run.proc.poll() is None
+                      and any(run.run_dir.glob(ERRORS)))
+            if failed and (task is None or task.settled(run.run_dir)):
                 # Stop the peers now rather than after torchrun's own (up to 30 s) shutdown.
                 # Not when restarts are allowed: then torchrun restarts the group itself.
                 dead = _silently_dead(run.run_dir)
+                if dead:  # torchrun is stopping the run itself: let it say how the rank died
+                    _await_agent(run, logs, agent_log, show, bars, task)
+                _stop(run)
+            elif (task is not None and not line and run.proc.poll() is None
+                  and (gone := _silently_dead(run.run_dir))):
+                # A warm rank gone without a word: torchrun stops the rest only if it failed
+                # (os._exit(0) is a success to torchrun, which then waits for the others).
+                dead = gone
+                _await_agent(run, logs, agent_log, show, bars, task)
                 _stop(run)
             elapsed = time.monotonic() - start
             if timeout is not None and elapsed > timeout and run.proc.poll() is None:
                 raise _timed_out(run, nproc, timeout, logs)
             if time.monotonic() - last_output > _HEARTBEAT:
-                running = nproc - len(list(run.run_dir.glob("result-*.pkl")))
+                running = nproc - len(list(run.run_dir.glob(RESULTS)))
                 print(_progress_line(elapsed, running, nproc))
                 last_output = time.monotonic()
-        run.proc.wait()
+        ended = task is not None and task.ended_by_all(nproc)  # the warm ranks live on
+        if not ended:
+            run.proc.wait()
         seconds = time.monotonic() - start
         errors = _errors(run.run_dir)
         error = errors[0] if errors else None
         if max_restarts and run.proc.returncode == 0:
             _report_restarts(run.run_dir, errors)
-        elif error is not None or run.proc.returncode != 0:
-            raise _failure(error, run.proc.returncode, agent_log, logs, dead)
+        elif error is not None or not ended and (task is not None or run.proc.returncode != 0):
+            raise _failure(error, run.proc.returncode, agent_log, logs, dead, run.run_dir)
         values = _collect(run.run_dir)
-        return LaunchResult(values, seconds, logs, nproc, job["backend"], command, agent_log)
+        keep = ended
+        return LaunchResult(values, seconds, logs, nproc, job.backend, command, agent_log)
     except KeyboardInterrupt:
         stopped = _stop(run)
         print(f"[labkit] interrupted: stopped torchrun and {stopped} worker process(es)")
         raise
     finally:
-        _stop(run)
+        if not keep:
+            _stop(run)
 
 
 def _progress_line(elapsed: float, running: int, nproc: int) -> str:
@@ -446,8 +545,11 @@ def _progress_line(elapsed: float, running: int, nproc: int) -> str:
     return f"[labkit] {elapsed:.0f} s elapsed, {running} of {nproc} rank(s) still running"
 
 
-def _route(line: str, logs: dict, agent_log: list, show) -> None:
-    """Keep a line in its rank's log and print it unless filtered; agent lines stay quiet."""
+def _route(line: str, logs: dict, agent_log: list, show, bars: ProgressBars | None = None) -> None:
+    """Keep a line in its rank's log and print it unless filtered; agent lines stay quiet.
+
+    A labkit.progress line updates the rank's bar in ``bars`` and is neither kept nor printed.
+    """
     if line.startswith("[rank") and "] " in line:
         head, _, text = line.partition("] ")
         try:
@@ -455,6 +557,14 @@ def _route(line: str, logs: dict, agent_log: list, show) -> None:
         except ValueError:
             rank = None
         if rank is not None:
+            # A progress line can land after a partial line the rank printed without "\n".
+            text, marked, update = text.partition(MARKER)
+            if marked:
+                if bars is not None and (show is None or rank in show):
+                    bars.feed(rank, update)
+                if not text:
+                    return
+                line = f"{head}] {text}"
             logs.setdefault(rank, []).append(text)
             if show is None or rank in show:
                 print(line, flush=True)
@@ -507,21 +617,21 @@ def _stop(run: _Run) -> int:
 
 def _rank_of(path: Path) -> int:
     """The rank in a run-folder file name: ``pid-3``, ``result-3.pkl`` -> 3."""
-    return int(path.name.split("-", 1)[1].split(".", 1)[0])
+    return rank_of(path.name)
 
 
 def _rank_pids(run_dir: Path) -> dict[int, int]:
     import json
 
     out = {}
-    for f in run_dir.glob("pid-*"):
+    for f in run_dir.glob(PIDS):
         out[_rank_of(f)] = json.loads(f.read_text())["pid"]
     return out
 
 
 def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict) -> LaunchTimeout:
     """Ask every unfinished rank for its Python stack, then build the LaunchTimeout."""
-    finished = {_rank_of(f) for f in run.run_dir.glob("result-*.pkl")}
+    finished = {_rank_of(f) for f in run.run_dir.glob(RESULTS)}
     pids = _rank_pids(run.run_dir)
     stuck = sorted(r for r in pids if r not in finished)
     for rank in stuck:
@@ -530,24 +640,28 @@ def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict) -> LaunchTimeo
         except OSError:
             pass
     time.sleep(_STACK_WAIT)
-    stacks = {r: _clean_stack((run.run_dir / f"stack-{r}.txt").read_text(errors="replace"))
+    stacks = {r: _clean_stack((run.run_dir / stack_file(r)).read_text(errors="replace"))
               for r in stuck}
     never_started = sorted(set(range(nproc)) - set(pids)) if len(pids) < nproc else []
     parts = [f"the run did not finish within timeout={timeout:g} s."]
     if stuck:
+        done = ', '.join(map(str, sorted(finished)))
         parts.append(f"Stuck rank(s): {', '.join(map(str, stuck))}"
-                     + (f" (rank(s) {', '.join(map(str, sorted(finished)))} had finished)" if finished else ""))
+                     + (f" (rank(s) {done} had finished)" if finished else ""))
     if never_started:
-        parts.append("Some ranks never started (still in rendezvous): check nnodes and rdzv_endpoint.")
+        parts.append(
+            "Some ranks never started (still in rendezvous): check nnodes and rdzv_endpoint.")
     for rank in stuck:
-        parts.append(f"\n--- rank {rank} stack (most recent call first) ---\n{stacks[rank].strip()}")
+        parts.append(
+            f"\n--- rank {rank} stack (most recent call first) ---\n{stacks[rank].strip()}")
     parts.append("\nA rank waiting in a collective that another rank skipped is the usual cause; "
                  "run with TORCH_DISTRIBUTED_DEBUG=DETAIL to name the mismatch.")
     return LaunchTimeout("\n".join(parts), stuck=stuck, stacks=stacks, logs=logs)
 
 
 def _clean_stack(dump: str) -> str:
-    """Drop labkit's own threads and shim frames from a faulthandler dump: the user's code remains."""
+    """Drop labkit's own threads and shim frames from a faulthandler dump: the user's code
+    remains."""
     own_threads = (" in _watch_controller", " in pump")
     keep = []
     for block in dump.strip().split("\n\n"):
@@ -575,8 +689,34 @@ def _errors(run_dir: Path) -> list[dict]:
     """Every rank's error record in the run folder, the earliest first."""
     import cloudpickle
 
-    return sorted((cloudpickle.loads(f.read_bytes()) for f in run_dir.glob("error-*.pkl")),
+    return sorted((cloudpickle.loads(f.read_bytes()) for f in run_dir.glob(ERRORS)),
                   key=lambda e: e["time"])
+
+
+_AGENT_REPORT = 5.0  # seconds torchrun gets to report how a dead rank ended
+
+
+def _await_agent(run: _Run, logs: dict, agent_log: list, show, bars=None,
+                 task: _Task | None = None) -> None:
+    """Route output until torchrun exits by itself, or a few seconds pass.
+
+    torchrun notices a dead rank within its monitor interval (0.1 s), stops the others and then
+    prints each rank's exit status, the only record of the signal that killed it. Stopping
+    torchrun first would lose that report.
+    """
+    deadline = time.monotonic() + _AGENT_REPORT
+    while time.monotonic() < deadline:
+        try:
+            line = run.lines.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if line is None:
+            run.lines.put(None)  # the end of the output, for the supervisor's loop
+            return
+        if task is not None:
+            line = task.take(line)  # a warm rank's end-of-task mark is no output
+        if line:
+            _route(line, logs, agent_log, show, bars)
 
 
 def _silently_dead(run_dir: Path) -> list[int]:
@@ -590,34 +730,167 @@ def _silently_dead(run_dir: Path) -> list[int]:
             return True
 
     return sorted(r for r, pid in _rank_pids(run_dir).items()
-                  if not any((run_dir / f"{kind}-{r}.pkl").exists() for kind in ("result", "error"))
+                  if not any((run_dir / name(r)).exists() for name in (result_file, error_file))
                   and gone(pid))
 
 
 def _failure(error: dict | None, returncode: int, agent_log: list, logs: dict,
-             dead: list[int] = ()) -> LaunchError:
-    if error is not None and dead:
-        # The peers of a killed rank fail with "connection reset": a consequence, not the cause.
-        return LaunchError(
-            f"rank {dead[0]} died without a Python exception (killed by a signal: out of memory, "
-            f"a `kill`, or a crash in native code; see dmesg). Then rank {error['rank']} failed "
-            f"with {error['type']}: {error['message']}", rank=dead[0], logs=logs)
+             dead: list[int] = (), run_dir: Path | None = None) -> LaunchError:
+    """The LaunchError of a failed run: the root cause first, what followed from it after."""
+    full = _full_text(error) if error is not None else None
+    pids = _rank_pids(run_dir) if run_dir is not None else {}
+    # A rank that wrote an error record exited by itself after raising: not a death.
+    exits = [(r, code) for r, code in _exit_codes(agent_log, pids).items()
+             if run_dir is None or not (run_dir / error_file(r)).exists()]
+    exits += [(r, None) for r in dead if r not in dict(exits)]
+    if exits:
+        rank, code = exits[0]
+        text = _death(rank, code, logs, run_dir)
+        if error is not None:
+            # The peers of a killed rank fail with "connection reset": a consequence, not the cause.
+            text += (f"\n\nThen rank {error['rank']} failed with {error['type']}: "
+                     f"{_shorten(error['message'])}")
+        return LaunchError(text, rank=rank, logs=logs, full_message=full)
     if error is not None:
-        return LaunchError(
-            f"rank {error['rank']} failed with {error['type']}: {error['message']}\n\n"
-            f"--- rank {error['rank']} traceback ---\n{error['traceback'].rstrip()}",
-            rank=error["rank"], logs=logs)
+        return LaunchError(_raised(error), rank=error["rank"], logs=logs, full_message=full)
     said = "\n".join(line for line in agent_log[-30:] if not line.startswith(_AGENT_NOISE))
     return LaunchError(
         f"torchrun exited with code {returncode} and no rank reported a Python exception: a worker "
         f"was killed (out of memory?) or crashed in native code. torchrun said:\n{said}", logs=logs)
 
 
+_MESSAGE_LINES, _MESSAGE_CHARS = 10, 1000  # of an exception's text, in a LaunchError's message
+_TRACEBACK_LINES, _LINE_CHARS = 40, 300  # the traceback's tail: the frames nearest the error
+
+
+def _shorten(text: str) -> str:
+    """The first lines of a long exception text (a tensor in the message can fill a screen)."""
+    cut = "\n".join(text.split("\n")[:_MESSAGE_LINES])[:_MESSAGE_CHARS]
+    if cut == text:
+        return text
+    return (f"{cut.rstrip()}\n... ({len(text) - len(cut)} more characters: the LaunchError's "
+            f".full_message has the whole text)")
+
+
+def _raised(error: dict) -> str:
+    """"rank N failed with T: text" and the traceback's tail, a huge text shortened."""
+    message = _shorten(error["message"])
+    tb = error["traceback"].rstrip("\n")
+    only = error.get("exception_only", "").rstrip("\n")
+    body, end = (tb[:-len(only)], only) if only and tb.endswith(only) else (tb, "")
+    if message != error["message"] and end:
+        # The traceback ends with the exception's text again: the lines above show it already.
+        end = f"{end.partition(': ')[0]}: (its text is shown above, shortened)"
+    lines = body.rstrip("\n").split("\n") if body.strip() else []
+    lines = [ln if len(ln) <= _LINE_CHARS else ln[:_LINE_CHARS] + " ..." for ln in lines]
+    if len(lines) > _TRACEBACK_LINES:
+        lines = [f"... ({len(lines) - _TRACEBACK_LINES} earlier lines: the LaunchError's "
+                 f".full_message has the whole traceback)", *lines[-_TRACEBACK_LINES:]]
+    shown = "\n".join([*lines, end] if end else lines)
+    return (f"rank {error['rank']} failed with {error['type']}: {message}\n\n"
+            f"--- rank {error['rank']} traceback ---\n{shown}")
+
+
+def _full_text(error: dict) -> str:
+    """A rank's whole exception text and traceback, as LaunchError.full_message."""
+    return (f"rank {error['rank']} failed with {error['type']}: {error['message']}\n\n"
+            f"--- rank {error['rank']} traceback ---\n{error['traceback'].rstrip()}")
+
+
+# torchrun's agent names the first failure in a line "failed (exitcode: -9) local_rank: 1 (pid:
+# 42) of binary: ..." and every failure in its closing summary ("rank : 1 (local_rank: 1)", then
+# "exitcode : -9 (pid: 42)  (SIGKILL)"). It logs the signals it sends the survivors itself
+# ("Sending process 41 closing signal SIGTERM"): those ranks did not fail, they were stopped.
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: (\d+)\)")
+_SUMMARY_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: \d+\)")
+_SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+_AGENT_CLOSED = re.compile(r"Sending process (\d+) closing signal")
+
+
+def _exit_codes(agent_log: list, pids: dict[int, int]) -> dict[int, int]:
+    """rank -> non-zero exit code of every worker torchrun saw fail (-N: killed by signal N)."""
+    rank_of = {pid: rank for rank, pid in pids.items()}
+    stopped = {int(m[1]) for line in agent_log if (m := _AGENT_CLOSED.search(line))}
+    found: list[tuple[bool, int, int]] = []  # (root cause, rank, exit code) in the order said
+    rank, root = None, False
+    for line in agent_log:
+        root = root or "Root Cause" in line
+        if m := _AGENT_FAILED.search(line):
+            pid, code = int(m[2]), int(m[1])
+            if pid in rank_of and pid not in stopped:
+                found.append((True, rank_of[pid], code))
+        elif m := _SUMMARY_RANK.match(line):
+            rank = int(m[1])
+        elif (m := _SUMMARY_EXIT.match(line)) and rank is not None:
+            if int(m[2]) not in stopped:
+                found.append((root, rank, int(m[1])))
+            rank = None
+    codes: dict[int, int] = {}
+    for _, r, code in sorted(found, key=lambda f: not f[0]):  # the root cause first
+        if code != 0:
+            codes.setdefault(r, code)
+    return codes
+
+
+# What usually sends a training process each signal: where to look next.
+_SIGNAL_CAUSES = {
+    "SIGKILL": "the out-of-memory killer, a `kill`, or a crash in native code; see `dmesg`",
+    "SIGSEGV": "a crash in native code (a C++/CUDA extension or library read memory it must "
+               "not); the Python stack below shows the call that crashed",
+    "SIGBUS": "a crash in native code; in a container this is often a full /dev/shm (run it "
+              "with --ipc=host or --shm-size=16g)",
+    "SIGABRT": "native code aborted, usually a failed C++ check whose message is in the rank's "
+               "last output lines",
+    "SIGFPE": "a crash in native code (an integer division by zero)",
+    "SIGILL": "native code built for another CPU",
+    "SIGTERM": "it was stopped from outside: a `kill`, or a job scheduler's time limit",
+    "SIGINT": "it was interrupted (Ctrl-C, or a `kill -INT`)",
+}
+_CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGFPE", "SIGILL")  # faulthandler's stack
+
+
+def _death(rank: int, code: int | None, logs: dict, run_dir: Path | None) -> str:
+    """Why a rank ended without a Python exception: its signal (and stack) or its exit code."""
+    if code is None:
+        text = (f"rank {rank} died without a Python exception (killed by a signal: the "
+                "out-of-memory killer, a `kill`, or a crash in native code; see `dmesg`)")
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        cause = _SIGNAL_CAUSES.get(name, "a signal from outside, or a crash in native code")
+        text = f"rank {rank} was killed by {name} (signal {-code}): {cause}"
+        stack = _crash_stack(run_dir, rank) if name in _CRASH_SIGNALS else ""
+        if stack:
+            text += f"\n\n--- rank {rank} Python stack at the crash (most recent call first) ---\n"
+            text += stack
+    else:
+        text = (f"rank {rank} exited with code {code} without a Python exception: something "
+                "called os._exit(), or native code ended the process")
+    last = [ln if len(ln) <= _LINE_CHARS else ln[:_LINE_CHARS] + " ..."
+            for ln in logs.get(rank, [])[-5:]]
+    if last:
+        text += f"\n\n--- rank {rank} last output lines ---\n" + "\n".join(last)
+    return text
+
+
+def _crash_stack(run_dir: Path | None, rank: int) -> str:
+    """The Python stack faulthandler wrote when the rank crashed, without labkit's threads."""
+    try:
+        dump = (run_dir / stack_file(rank)).read_text(errors="replace")
+    except (OSError, TypeError):
+        return ""
+    blocks = _clean_stack(dump).split("\n\n")
+    return "\n\n".join(b for b in blocks if b.strip() and not b.startswith(("Extension modules",
+                                                                          "Fatal Python")))
+
+
 def _collect(run_dir: Path) -> list:
     import cloudpickle
 
     values = []
-    for f in sorted(run_dir.glob("result-*.pkl"), key=_rank_of):
+    for f in sorted(run_dir.glob(RESULTS), key=_rank_of):
         values.append(cloudpickle.loads(f.read_bytes()))
     return values
 
@@ -647,7 +920,9 @@ def stray_workers() -> list[str]:
     stops its whole process group, even after a failure, a timeout or an interrupt. Finds
     torchrun agents and worker shims by their command line, and keeps those whose environment
     names this process as their controller, so runs of another notebook do not count.
-    Returns ``"pid: command line"`` strings.
+    The processes of warm workers that are running (:func:`workers`) are not strays: they
+    are owned; once stopped, any of theirs still alive is listed. Returns ``"pid: command
+    line"`` strings.
 
     Example::
 
@@ -657,18 +932,459 @@ def stray_workers() -> list[str]:
     import psutil
 
     me = str(os.getpid())
+    owned = set().union(*(pool.owned_pids() for pool in list(_LIVE)))
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "labkit._worker" not in cmdline and "labkit-run-" not in cmdline:
+        if "labkit._worker" not in cmdline and RUN_PREFIX not in cmdline:
             continue
         try:
-            controller = proc.environ().get("LABKIT_CONTROLLER_PID")
+            controller = proc.environ().get(CONTROLLER_PID)
         except (psutil.Error, OSError):  # gone meanwhile, or another user's process
             continue
-        if controller == me:
+        if controller == me and proc.info["pid"] not in owned:
             line = " ".join(cmdline.split())  # the agent's boot script spans several lines
             if len(line) > 160:  # keep the start and the run folder at the end
                 line = f"{line[:60]} ... {line[-95:]}"
             found.append(f"{proc.info['pid']}: {line}")
     return found
+
+
+# ---- warm workers: one torchrun run in "serve" mode, many runs ---------------------------------
+
+MAX_IDLE_POOLS = 2  # sets of warm workers launch(warm=True) keeps; each idle rank holds torch
+_SETTLE = 1.0  # seconds a failed warm rank gets to mark its end (its last output) before the stop
+_WARM: bool | None = None  # use_warm()'s choice; None: the LABKIT_WARM variable decides
+_LIVE: list[Workers] = []  # every pool started in this process and not stopped
+_KERNEL_POOLS: collections.OrderedDict = collections.OrderedDict()  # shape -> pool, LRU first
+_REGISTRY = threading.Lock()  # guards _LIVE and _KERNEL_POOLS
+_STARTING = threading.Lock()  # held while launch(warm=True) looks up or starts a kernel pool
+_STOP_WAIT = 30.0  # seconds stop() waits for a run in another thread before stopping under it
+
+_TF_COLD = ("TensorFlow cannot run on warm workers: MultiWorkerMirroredStrategy configures its "
+            "collectives and starts its gRPC server once per process, and neither can be reset "
+            "between runs (a failed or changed setup would break every later run). Use "
+            "warm=False: TensorFlow runs always start fresh workers")
+_SCRIPT_COLD = ("a script calls init_process_group itself and expects a fresh process, while a "
+                "warm rank has its process group formed already. Launch scripts with warm=False, "
+                "or move the script's body into a function and launch that")
+
+
+@dataclasses.dataclass
+class _Task:
+    """A run on warm workers as the supervisor follows it: which ranks have marked its end."""
+
+    number: int
+    ended: set = dataclasses.field(default_factory=set)
+    failed_at: float | None = None
+
+    def take(self, line: str) -> str:
+        """Note and strip a rank's end-of-task mark; return what remains of the line."""
+        head, marked, tail = line.partition(END_OF_TASK)
+        if not marked or not head.startswith("[rank"):
+            return line
+        prefix, _, text = head.partition("] ")
+        try:
+            rank, number = int(prefix[5:]), int(tail)
+        except ValueError:
+            return line
+        if number == self.number:
+            self.ended.add(rank)
+        return head if text else ""  # the mark can follow a line printed without "\n"
+
+    def ended_by_all(self, nproc: int) -> bool:
+        return len(self.ended) >= nproc
+
+    def settled(self, run_dir: Path) -> bool:
+        """Whether the failed ranks' output is all in (they marked the end), or _SETTLE passed."""
+        if {_rank_of(f) for f in run_dir.glob(ERRORS)} <= self.ended:
+            return True
+        now = time.monotonic()
+        self.failed_at = self.failed_at or now
+        return now - self.failed_at > _SETTLE
+
+
+class Workers:
+    """Warm ranks that run function after function: see :func:`workers`."""
+
+    def __init__(self, nproc: int = 2, backend: str = "auto", framework: str = "torch",
+                 env: dict | None = None):
+        if framework == "tensorflow":
+            raise ValueError(_TF_COLD)
+        # The shape is checked as a function run's would be; the functions come with .run().
+        job, self._gpus = _validate(Workers.run, (), {}, nproc, backend, None, framework, 1, 0,
+                                    None)
+        self._job = dataclasses.replace(job, mode="serve", payload=None)
+        self.nproc, self.backend, self.framework = nproc, job.backend, framework
+        self.env = _check_env(env)
+        self.start_seconds = 0.0  # how long the last start took (torchrun, torch, the group)
+        self.runs = 0  # runs served, over every restart
+        self._lock = threading.Lock()  # one run at a time
+        self._run: _Run | None = None
+        self._run_dir: Path | None = None
+        self._fifos: list[int] = []
+        self._command: list[str] = []
+        self._tasks = 0  # the number of the last task sent to this torchrun run
+        self._base_env: dict = {}
+        self._lost: str | None = None  # why the last ranks were stopped, said at the next start
+        self._stopped = False
+        with _REGISTRY:
+            _LIVE.append(self)
+        try:
+            self._boot()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = ("stopped" if self._stopped else "running" if self._running()
+                 else "to restart on the next run")
+        return (f"Workers(nproc={self.nproc}, backend={self.backend!r}, {state}, "
+                f"{self.runs} run(s))")
+
+    def run(self, fn, *args, timeout: float | None = None, show_ranks=None,
+            **kwargs) -> LaunchResult:
+        """Run ``fn(*args, **kwargs)`` on the warm ranks; a :class:`LaunchResult` as from launch.
+
+        Example::
+
+            >>> pool = labkit.workers(nproc=2)
+            >>> pool.run(total, 10, show_ranks=0, timeout=60).values
+            [21, 21]
+        """
+        __tracebackhide__ = True
+        return self.run_if_free(fn, args, kwargs, timeout, show_ranks, wait=True)
+
+    def run_if_free(self, fn, args, kwargs, timeout, show_ranks, *,
+                    wait: bool) -> LaunchResult | None:
+        """``run``; or, with ``wait=False``, None at once if another thread's run holds the pool."""
+        __tracebackhide__ = True
+        if isinstance(fn, str | os.PathLike):
+            raise ValueError(f"warm workers run functions, not scripts: {_SCRIPT_COLD}")
+        if not callable(fn):
+            raise TypeError(f"run() needs a function, got {type(fn).__name__}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0 (or None for none), "
+                             f"got {timeout!r}")
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            if self._stopped:
+                raise RuntimeError("these warm workers were stopped (by `with`, .stop() or "
+                                   "labkit.stop_workers()): start new ones with "
+                                   "labkit.workers(...), or use labkit.launch(fn, warm=True)")
+            if not self._running():
+                why = self._lost or "their torchrun exited while they were idle"
+                print(f"[labkit] the warm workers were stopped after {why}; starting "
+                      f"{self.nproc} fresh ones", flush=True)
+                self._teardown()
+                self._boot()
+            return self._dispatch(fn, args, kwargs, timeout, show_ranks)
+        finally:
+            self._lock.release()
+
+    def pids(self) -> list[int]:
+        """The pool's processes: the torchrun agent, then rank 0, 1, ...; [] while none runs."""
+        run = self._run
+        if run is None or run.proc.poll() is not None:
+            return []
+        try:
+            ranks = _rank_pids(run.run_dir)
+        except OSError:  # stopped meanwhile
+            return []
+        return [run.proc.pid, *(ranks[r] for r in sorted(ranks))]
+
+    def owned_pids(self) -> set[int]:
+        """Every live process of the pool: torchrun and all its descendants."""
+        import psutil
+
+        run = self._run
+        if run is None or run.proc.poll() is not None:
+            return set()
+        try:
+            children = psutil.Process(run.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return set()
+        return {run.proc.pid, *(c.pid for c in children)}
+
+    def stop(self) -> None:
+        """Stop the ranks and remove their run folder; the pool cannot run again."""
+        # A run in another thread ends first; at exit, a stuck daemon thread must not block.
+        locked = self._lock.acquire(timeout=_STOP_WAIT)
+        try:
+            self._stopped = True
+            self._teardown(quit=True)
+        finally:
+            if locked:
+                self._lock.release()
+        with _REGISTRY:
+            if self in _LIVE:
+                _LIVE.remove(self)
+            for key in [k for k, pool in _KERNEL_POOLS.items() if pool is self]:
+                del _KERNEL_POOLS[key]
+
+    def _running(self) -> bool:
+        return self._run is not None and self._run.proc.poll() is None
+
+    def _boot(self) -> None:
+        """Start torchrun in serve mode and wait until every rank has formed the group."""
+        __tracebackhide__ = True
+        began = time.monotonic()
+        self._run_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
+        try:
+            for rank in range(self.nproc):
+                path = self._run_dir / fifo_file(rank)
+                os.mkfifo(path, 0o600)
+                # Read-write: the open does not wait for a reader, and this process holds the
+                # FIFO's only writer, so a rank's read sees EOF the moment this process dies.
+                self._fifos.append(os.open(path, os.O_RDWR))
+            _write_job(self._run_dir, self._job)
+            self._command = _torchrun_command(self._run_dir, self.nproc, 1, 0, None)
+            self._base_env = _worker_env(self.nproc, self._gpus, self.env)
+            self._tasks = 0
+            self._run = _start(self._run_dir, self._command, self._base_env)
+            _supervise(self._run, self._job, self.nproc, None, None, self._command,
+                       task=_Task(0))  # "task 0" ends when a rank has formed the group
+        except BaseException:
+            self._teardown()
+            raise
+        self._lost = None
+        self.start_seconds = time.monotonic() - began
+
+    def _dispatch(self, fn, args, kwargs, timeout, show_ranks) -> LaunchResult:
+        """Send one task to every rank and supervise it; stop the ranks if it fails."""
+        __tracebackhide__ = True
+        number = self._tasks + 1
+        task = Task(number, (fn, args, kwargs), _sys_path(), os.getcwd(), self._env_changes())
+        _write_job(self._run_dir, task, task_file(number))  # unpicklable: nothing was sent
+        self._tasks = number
+        try:
+            for fd in self._fifos:
+                os.write(fd, RUN_TASK)
+            result = _supervise(self._run, self._job, self.nproc, timeout, show_ranks,
+                                self._command, task=_Task(number))
+        except BaseException as exc:
+            self._lost = _lost_by(exc)
+            self._teardown()
+            raise
+        finally:
+            if self._run_dir is not None:  # the next task finds a clean folder
+                names = [task_file(number), *(f(r) for r in range(self.nproc)
+                                               for f in (result_file, error_file))]
+                for name in names:
+                    (self._run_dir / name).unlink(missing_ok=True)
+        self.runs += 1
+        return result
+
+    def _env_changes(self) -> dict[str, str | None]:
+        """What a cold run started now would see differently in its environment."""
+        now = _worker_env(self.nproc, self._gpus, self.env)
+        changes: dict[str, str | None] = {k: v for k, v in now.items()
+                                          if self._base_env.get(k) != v}
+        changes.update((k, None) for k in self._base_env if k not in now)
+        for key in (CONTROLLER_PID, CONTROLLER_START):
+            changes.pop(key, None)
+        return changes
+
+    def _teardown(self, quit: bool = False) -> None:
+        """Stop every process of the pool and remove its run folder; ``quit`` asks them first."""
+        run, self._run = self._run, None
+        fifos, self._fifos = self._fifos, []
+        if run is not None:
+            if quit and run.proc.poll() is None:
+                # The ranks leave their loop and destroy the group themselves: NCCL's
+                # communicators are closed rather than killed under way.
+                for fd in fifos:
+                    try:
+                        os.write(fd, QUIT)
+                    except OSError:
+                        pass
+                try:
+                    run.proc.wait(timeout=_GRACE)
+                except subprocess.TimeoutExpired:
+                    pass
+            _stop(run)
+        for fd in fifos:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
+
+
+def _lost_by(exc: BaseException) -> str:
+    """Why a warm run's ranks were stopped, for the line the next start prints."""
+    if isinstance(exc, LaunchTimeout):
+        return "the last run timed out"
+    if isinstance(exc, LaunchError):
+        return "the last run failed"
+    if isinstance(exc, KeyboardInterrupt):
+        return "the last run was interrupted"
+    return f"the last run ended with {type(exc).__name__}"
+
+
+def workers(nproc: int = 2, backend: str = "auto", framework: str = "torch",
+            env: dict | None = None) -> Workers:
+    """Start ``nproc`` warm ranks that run function after function, in milliseconds each.
+
+    ``labkit.launch`` starts torchrun, imports torch in every rank and forms the process
+    group for every run: seconds each time. Warm workers do that once; ``.run(fn, *args,
+    timeout=None, show_ranks=None, **kwargs)`` then sends ``fn`` to ranks already waiting
+    and returns the same :class:`LaunchResult`, with the same live output, errors and
+    timeouts. ``labkit.launch(fn, warm=True)`` does this with the kernel's own pool.
+
+    Example::
+
+        >>> with labkit.workers(nproc=2) as pool:   # ~3 s: torchrun, torch, the group
+        ...     print(pool.run(total, 10).values)   # ~0.02 s
+        ...     print(pool.run(total, 20, timeout=30).values)
+        [21, 21]
+        [41, 41]
+
+    Every run starts as a fresh process would: torch's (CPU and CUDA), Python's and NumPy's
+    random generators are reseeded from fresh entropy, so ``torch.manual_seed`` inside a run
+    gives the numbers of a cold run. Afterwards the ranks put back the thread count, default
+    dtype and device, grad mode, anomaly detection, deterministic algorithms, the cuDNN and
+    TF32 switches, ``os.environ``, the working directory, ``sys.path``, ``sys.argv`` and the
+    warning filters; process groups the run created are destroyed (the default group stays,
+    and is formed again if the run destroyed it); on GPUs the cached memory is given back,
+    and a line says if the run left CUDA tensors alive.
+
+    What persists between runs: imported modules (``sys.modules``: after editing a module's
+    file, ``labkit.stop_workers()`` for fresh ranks), module-level state (the globals of
+    imported modules, functions pickled by reference included; class attributes; caches
+    such as ``functools.lru_cache`` or ``torch.compile``'s), threads a run started, signal
+    handlers, logging setup, files written, and on GPUs the CUDA context, the NCCL
+    communicators and compiled kernels. Functions from notebook cells travel by value with
+    fresh globals each run. Variables the kernel sets in ``os.environ`` after the pool started
+    reach each run, as they would a cold one, but torch and NCCL read theirs
+    (``TORCH_DISTRIBUTED_DEBUG``, ``NCCL_DEBUG``, ...) when the pool starts: pass those in
+    ``env=``, which makes a pool of its own.
+
+    After a run that fails, times out or is interrupted, the ranks are stopped (every process
+    and the run folder): the next run starts fresh ones and says so in one line. Each idle
+    rank holds torch in memory (about 300 MB; on GPUs also a CUDA context): ``with`` or
+    ``.stop()`` ends a pool, ``labkit.stop_workers()`` every pool, and all end with the
+    kernel, even one that is killed. ``launch(warm=True)`` keeps at most
+    ``MAX_IDLE_POOLS`` (2) shapes, stopping the least recently used. ``.pids()`` lists the
+    pool's processes; :func:`stray_workers` does not count them while the pool runs.
+    TensorFlow cannot run warm (its collectives are set up once per process).
+    """
+    return Workers(nproc, backend, framework, env)
+
+
+def stop_workers() -> int:
+    """Stop every set of warm workers this kernel holds (launch's and :func:`workers`'); count them.
+
+    Example::
+
+        >>> labkit.launch(total, 10, warm=True)
+        >>> labkit.stop_workers()     # the ranks exit; the next warm run starts fresh ones
+        1
+    """
+    with _REGISTRY:
+        pools = list(_LIVE)
+    for pool in pools:
+        pool.stop()
+    return len(pools)
+
+
+atexit.register(stop_workers)
+
+
+def use_warm(on: bool | None = True) -> None:
+    """Make warm workers the default of ``labkit.launch`` and ``%%distributed`` in this kernel.
+
+    ``use_warm(True)``: every ``launch`` that does not say ``warm=False`` reuses the
+    kernel's warm workers (:func:`workers`) where it can, and runs cold where it cannot (a
+    script, several nodes, ``max_restarts``, ``keep_run_dir``, TensorFlow). ``use_warm(False)``:
+    cold unless ``warm=True``. ``use_warm(None)``: back to the ``LABKIT_WARM`` environment
+    variable (``LABKIT_WARM=1``: warm by default; unset or 0: cold).
+
+    Example::
+
+        >>> labkit.use_warm(True)
+        >>> labkit.launch(total, 10).values     # warm: the first run starts the workers
+        [21, 21]
+    """
+    global _WARM
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"use_warm takes True, False or None (the LABKIT_WARM variable "
+                         f"decides), got {on!r}")
+    _WARM = on
+
+
+def _warm_default() -> bool:
+    """What ``warm=None`` means now: use_warm's choice, else LABKIT_WARM's."""
+    if _WARM is not None:
+        return _WARM
+    value = os.environ.get("LABKIT_WARM", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"LABKIT_WARM={value!r} is not understood: set it to 1 (warm workers by "
+                     "default) or 0 (cold), or call labkit.use_warm(True)")
+
+
+def _cold_only(fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir) -> str | None:
+    """Why a run needs fresh workers, saying what to do instead; None if it can run warm."""
+    if isinstance(fn, str | os.PathLike):
+        return _SCRIPT_COLD
+    if framework == "tensorflow":
+        return _TF_COLD
+    if nnodes > 1 or rdzv_endpoint:
+        return ("a multi-node run rendezvouses with the other nodes' agents once per run, and "
+                "warm workers are one node's. Use warm=False")
+    if max_restarts:
+        return ("max_restarts lets torchrun replace the whole worker group after a failure, "
+                "while warm workers keep one group for many runs (and are replaced after any "
+                "failure anyway). Use warm=False, or max_restarts=0")
+    if keep_run_dir:
+        return ("warm workers share one run folder between their runs and remove it when they "
+                "stop. Use warm=False to keep a run's folder")
+    return None
+
+
+def _goes_warm(warm, fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir) -> bool:
+    """Whether a launch runs on warm workers; an explicit warm=True that cannot is an error."""
+    if warm is not None and not isinstance(warm, bool):
+        raise ValueError(f"warm must be True, False or None (the kernel's default, see "
+                         f"labkit.use_warm), got {warm!r}")
+    if warm is False or (warm is None and not _warm_default()):
+        return False
+    reason = _cold_only(fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir)
+    if reason is not None and warm:
+        raise ValueError(f"warm=True cannot run this: {reason}")
+    return reason is None
+
+
+def _kernel_pool(nproc: int, backend: str, framework: str, env: dict) -> Workers:
+    """The kernel's warm workers of this shape, started on first use; the least recently used
+    beyond MAX_IDLE_POOLS are stopped (the idle ones: a busy one on a later call)."""
+    key = (nproc, backend, framework, tuple(sorted(env.items())))
+    with _STARTING:  # one start at a time: two threads asking for one shape get one pool
+        with _REGISTRY:
+            pool = _KERNEL_POOLS.get(key)
+            if pool is not None:
+                _KERNEL_POOLS.move_to_end(key)
+                return pool
+        pool = Workers(nproc, backend, framework, env)  # _REGISTRY is free: this takes seconds
+        with _REGISTRY:
+            _KERNEL_POOLS[key] = pool
+            old = [p for p in list(_KERNEL_POOLS.values())[:-MAX_IDLE_POOLS]
+                   if not p._lock.locked()]
+    for old_pool in old:
+        print(f"[labkit] stopping the least recently used warm workers ({old_pool.nproc} x "
+              f"{old_pool.backend}): a kernel keeps at most {MAX_IDLE_POOLS} sets "
+              "(each idle rank holds torch in memory)", flush=True)
+        old_pool.stop()
+    return pool

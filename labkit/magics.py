@@ -42,19 +42,22 @@ def distributed(line: str, cell: str, user_ns: dict) -> dict:
     parser.add_argument("--rank", type=int, default=None, help="show only this rank's output")
     parser.add_argument("--in", dest="inputs", default="", help="kernel variables to send, a,b")
     parser.add_argument("--out", dest="outputs", default="", help="worker variables to bring back")
+    parser.add_argument("--warm", action="store_true", help="run on the kernel's warm workers")
     try:
         args = parser.parse_args(shlex.split(line))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise ValueError(f"%%distributed {line!r}: {exc}. Usage: %%distributed -n 2 "
-                         "[--backend gloo] [--timeout 60] [--rank 0] [--in a,b] [--out c,d]") from None
+                         "[--backend gloo] [--timeout 60] [--rank 0] [--in a,b] [--out c,d] "
+                         "[--warm]") from None
     missing = [n for n in _names(args.inputs) if n not in user_ns]
     if missing:
-        raise NameError(f"--in names {', '.join(missing)}, not defined in the notebook: run the cell "
-                        "that defines them first")
+        raise NameError(f"--in names {', '.join(missing)}, not defined in the notebook: run the "
+                        "cell that defines them first")
     inputs = {n: user_ns[n] for n in _names(args.inputs)}
     outputs = _names(args.outputs)
+    # Without --warm: the kernel's default (labkit.use_warm, LABKIT_WARM), cold unless set.
     result = launch(run_cell, cell, inputs, outputs, nproc=args.nproc, backend=args.backend,
-                    timeout=args.timeout, show_ranks=args.rank)
+                    timeout=args.timeout, show_ranks=args.rank, warm=True if args.warm else None)
     gathered = {name: [per_rank[name] for per_rank in result.values] for name in outputs}
     user_ns.update(gathered)
     return gathered
@@ -70,6 +73,8 @@ def register(ipython) -> None:
 
     ``rank``, ``world_size``, ``dist`` and ``torch`` are defined in the cell. ``--in a,b``
     sends kernel variables; ``--out c`` brings ``c`` back as a list with one value per rank.
+    ``--warm`` runs the cell on the kernel's warm workers (milliseconds after the first
+    run; see ``labkit.workers``).
 
     Example::
 

@@ -68,13 +68,15 @@ def test_lab_refuses_a_busy_port(jupyter_env):
         s.listen()
         port = s.getsockname()[1]
         out = subprocess.run([sys.executable, "-m", "labkit", "lab", "--port", str(port),
-                              "--root", str(jupyter_env)], capture_output=True, text=True, timeout=60)
+                              "--root", str(jupyter_env)],
+                             capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert f"127.0.0.1:{port} is in use" in out.stderr and f"PORT={port + 1}" in out.stderr
 
 
 def test_lab_needs_the_notebooks_folder(jupyter_env):
-    out = subprocess.run([sys.executable, "-m", "labkit", "lab", "--root", str(jupyter_env / "nope")],
+    out = subprocess.run([sys.executable, "-m", "labkit", "lab", "--root",
+                          str(jupyter_env / "nope")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no folder" in out.stderr
 

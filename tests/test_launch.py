@@ -196,6 +196,92 @@ def test_exception_on_rank_1_names_the_rank_and_leaves_no_process(tmp_path):
     proc.wait()
 
 
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSEGV", "SIGKILL in a collective"])
+def test_a_rank_killed_by_a_signal_is_named_with_its_signal(how):
+    name = how.split()[0]
+    with pytest.raises(LaunchError) as info:
+        launch(die_on_rank_1, name, "collective" in how, nproc=2, show_ranks=[])
+    err, number = info.value, int(getattr(signal, name))
+    assert err.rank == 1
+    assert f"rank 1 was killed by {name} (signal {number})" in str(err)
+    if name == "SIGKILL":
+        assert "out-of-memory killer" in str(err) and "`dmesg`" in str(err)
+    else:  # faulthandler's stack of the crash: the user's frame, not the shim's
+        assert "Python stack at the crash" in str(err) and "in die_on_rank_1" in str(err)
+        assert "_worker.py" not in str(err)
+    if "collective" in how:  # rank 0 lost its peer: told as a consequence, after the cause
+        assert str(err).index("Then rank 0 failed with") > str(err).index("SIGKILL")
+    assert not wait_no_workers(os.getpid(), within=5.0)
+
+
+def die_on_rank_1(signal_name, in_collective):
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # rank 0 is waiting (in the all-reduce, or asleep) by now
+        os.kill(os.getpid(), getattr(signal, signal_name))
+    if in_collective:
+        dist.all_reduce(torch.ones(1))
+    time.sleep(30)
+
+
+def test_exit_codes_read_from_torchruns_report_leave_out_the_ranks_it_stopped():
+    from labkit.launcher import _exit_codes
+
+    agent_log = [  # torch 2.14's own lines, for a rank 1 killed by the OOM killer
+        "W1201 09:22:19.12 3779 multiprocessing/api.py:1028] Sending process 3785 closing signal "
+        "SIGTERM",
+        "E1201 09:22:19.13 3779 multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 "
+        "(pid: 3786) of binary: /venv/bin/python",
+        "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)",
+        "  exitcode  : -15 (pid: 3785)  (SIGTERM)",
+        "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+        "  exitcode  : -9 (pid: 3786)  (SIGKILL)",
+    ]
+    assert _exit_codes(agent_log, {0: 3785, 1: 3786}) == {1: -9}
+    assert _exit_codes(agent_log[1:2], {1: 3786}) == {1: -9}, "the first line alone is enough"
+    assert _exit_codes(agent_log[1:2], {}) == {}, "a pid of no rank of this run names no rank"
+
+
+def test_a_huge_exception_message_is_shortened_and_kept_whole():
+    with pytest.raises(LaunchError) as info:
+        launch(raise_a_huge_message, nproc=2, show_ranks=[])
+    err, text = info.value, str(info.value)
+    assert err.rank == 1 and text.startswith("rank 1 failed with ValueError: tensor([[0.1234,")
+    assert len(text) < 3000, len(text)
+    assert "more characters: the LaunchError's .full_message has the whole text" in text
+    assert "raise ValueError(" in text, "the traceback's frames are still shown"
+    assert huge_message() in err.full_message
+
+
+def huge_message():
+    return "tensor([[" + ",\n".join("0.1234, 0.5678, 0.9012" for _ in range(800)) + "]])"
+
+
+def raise_a_huge_message():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError(huge_message())
+
+
+def test_a_short_error_keeps_its_message_and_a_long_traceback_its_last_lines():
+    from labkit.launcher import _raised
+
+    tb = 'Traceback (most recent call last):\n  File "<cell>", line 3, in f\nValueError: boom\n'
+    short = {"rank": 1, "type": "ValueError", "message": "boom", "traceback": tb,
+             "exception_only": "ValueError: boom\n"}
+    assert _raised(short) == ("rank 1 failed with ValueError: boom\n\n--- rank 1 traceback ---\n"
+                              + tb.rstrip())
+    frames = "".join(f'  File "m.py", line {i}, in f{i}\n    f{i + 1}()\n' for i in range(30))
+    deep = dict(short, traceback=f"Traceback (most recent call last):\n{frames}ValueError: boom\n")
+    shown = _raised(deep).split("--- rank 1 traceback ---\n")[1].split("\n")
+    assert shown[0] == ("... (21 earlier lines: the LaunchError's .full_message has the whole "
+                        "traceback)")
+    assert shown[1:] == deep["traceback"].rstrip().split("\n")[-41:-1] + ["ValueError: boom"]
+
+
 def test_timeout_names_the_stuck_rank_with_its_stack(tmp_path):
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
@@ -450,7 +536,7 @@ def test_auto_backend_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
     for gpus, nproc, expected in [(0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl")]:
         monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda g=gpus: g)
         job, _ = _validate(rank_times, (), {}, nproc, "auto", None, "torch", 1, 0, None)
-        assert job["backend"] == expected, (gpus, nproc)
+        assert job.backend == expected, (gpus, nproc)
 
 
 def test_unpicklable_argument_is_named():
@@ -483,8 +569,10 @@ def test_a_function_reading_an_attribute_named_classes_is_shipped():
     def count(ds):
         return torch.zeros(len(ds.classes)).numel()
 
-    outer = pickle.loads(_dumps_with_sources({"fn": count, "sys_path": []}))
-    fn = pickle.loads(outer["job"])["fn"]
+    from labkit._protocol import Task
+
+    outer = pickle.loads(_dumps_with_sources(Task(1, (count, (), {}), [], "/")))
+    fn = pickle.loads(outer["job"]).payload[0]
     assert fn(type("Dataset", (), {"classes": ["cat", "dog", "bird"]})) == 3
 
 
