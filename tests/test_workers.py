@@ -403,9 +403,15 @@ def test_an_interrupt_stops_the_run_and_the_pool(pool, tmp_path, capsys):
             time.sleep(0.05)
         _thread.interrupt_main()  # what a kernel interrupt (SIGINT) raises in the kernel
 
-    threading.Thread(target=interrupt_once_running, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        pool.run(sleep_after_marking, str(marker))
+    # A kernel always handles SIGINT; a process started in the background by a shell (as CI
+    # may be) inherits SIGINT ignored, and interrupt_main then does nothing.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt_once_running, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(sleep_after_marking, str(marker))
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert "[labkit] interrupted: stopped torchrun and" in capsys.readouterr().out
     assert not wait_dead(old, within=5)
     assert pool.run(noop).values == [1, 1]
