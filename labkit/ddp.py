@@ -306,7 +306,8 @@ def _scaling_worker(spec: dict):
             if rank < n:
                 group = groups.get(n) if mode != "independent" else None
                 b = spec["batches"][mode, n]
-                model = _fresh_model(make, group, device)
+                model = _fresh_model(make, device, ddp=group is not None,
+                                     process_group=group)
                 elapsed = time_steps(model, x[:b], y[:b], spec["steps"], spec["warmup"], device,
                                      group)
             elapsed = slowest(elapsed, torch.device("cpu"), coord)[0]
@@ -316,17 +317,17 @@ def _scaling_worker(spec: dict):
     return times, grad_bytes
 
 
-def _fresh_model(make, group, device):
-    """A model from ``make`` with seed 0 on ``device``, DDP over ``group`` when there is one."""
+def _fresh_model(make, device, *, ddp: bool = False, **options):
+    """A model from ``make`` with seed 0 on ``device``; wrapped in DDP (``options``) if ``ddp``."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
     model = make().to(device)
-    if group is None:
+    if not ddp:
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, **options)
 
 
 def predict_scaling(rows: list[dict], allreduce_rows: list[dict], workers) -> list[dict]:
@@ -566,20 +567,15 @@ def bucket_sweep(caps_mb, *, model=None, batch: int = 32, steps: int = 10, warmu
 
 def _bucket_variants(make, caps, overlap: bool, device):
     """The DDP models :func:`bucket_sweep` times, by (kind, cap), and their all-reduce counters."""
-    from torch import nn
-
-    ids = [device.index] if device.type == "cuda" else None
     variants, counters = {}, {}
     if overlap:
-        variants["compute", None] = _fresh_model(make, None, device)
+        variants["compute", None] = _fresh_model(make, device)
     for cap in caps:
         kinds = ("overlapped", "serial") if overlap else ("overlapped",)
         for kind in kinds:
-            module = _fresh_model(make, None, device)
-            ddp = nn.parallel.DistributedDataParallel(module, device_ids=ids,
-                                                      bucket_cap_mb=cap)
-            counters[kind, cap] = count_allreduces(ddp, blocking=kind == "serial")
-            variants[kind, cap] = ddp
+            model = _fresh_model(make, device, ddp=True, bucket_cap_mb=cap)
+            counters[kind, cap] = count_allreduces(model, blocking=kind == "serial")
+            variants[kind, cap] = model
     return variants, counters
 
 
