@@ -451,9 +451,11 @@ for _ in range(steps):
 weights = torch.stack([p.detach().sum() for p in model.parameters()]).sum()
 total = weights.clone()
 dist.all_reduce(total)
-print(f"rank={rank} world={world} job={os.environ['SLURM_JOB_ID']} steps={steps} "
-      f"first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f} "
-      f"weights={weights.item():.6f} allreduced={total.item():.6f}", flush=True)
+# One write per line: both ranks share the job's output file, and an unbuffered print writes
+# the text and its newline separately, so two ranks' lines could run together.
+os.write(1, (f"rank={rank} world={world} job={os.environ['SLURM_JOB_ID']} steps={steps} "
+             f"first_loss={losses[0]:.4f} last_loss={losses[-1]:.4f} "
+             f"weights={weights.item():.6f} allreduced={total.item():.6f}\\n").encode())
 dist.destroy_process_group()
 """
 
