@@ -53,7 +53,8 @@ notebooks: install
 ifeq ($(NOTEBOOKS),)
 	@echo ">> no notebooks yet"
 else
-	LABKIT_PROFILE=smoke $(SINGLE_THREAD) $(PY) -m pytest -p tests.notebook_budget \
+	LABKIT_PROFILE=smoke LABKIT_HOME=$(CURDIR)/.pytest_cache/labkit-home $(SINGLE_THREAD) \
+		$(PY) -m pytest -p tests.notebook_budget \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS) \
 		$(sort $(wildcard solutions/*.ipynb))
 endif

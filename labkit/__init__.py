@@ -56,6 +56,7 @@ _LAZY = {
     "stop_workers": ".launcher",
     "use_warm": ".launcher",
     "progress": "._progress",
+    "show": ".source",  # the source of what a notebook teaches
 }
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",

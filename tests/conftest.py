@@ -6,11 +6,15 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 # Figures in tests are rendered off-screen; no display is needed (or wanted) in CI.
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Exercise passes are recorded in $LABKIT_HOME: never in the home of whoever runs the tests.
+_HOME = tempfile.TemporaryDirectory(prefix="labkit-home-")
+os.environ["LABKIT_HOME"] = _HOME.name
 
 
 @functools.lru_cache(maxsize=1)

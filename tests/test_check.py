@@ -1,10 +1,13 @@
-"""labkit.check: exercise checks pass right answers, and say what is missing otherwise."""
+"""labkit.check's machinery, and notebook 01's graders: right answers pass, wrong ones get hints."""
+
+import json
 
 import pytest
 import torch
 from torchvision.transforms import v2
 
 from labkit import check
+from labkit.exercises import augmentation
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
@@ -16,7 +19,7 @@ def tail():
 def test_a_good_pipeline_passes(capsys):
     good = v2.Compose([v2.RandomResizedCrop(32, scale=(0.7, 1.0)), v2.RandomHorizontalFlip(),
                        v2.RandomRotation(15), *tail()])
-    assert check.augmentation_pipeline(good, 32)
+    assert augmentation.augmentation_pipeline(good, 32)
     assert "[pass] augmentation pipeline" in capsys.readouterr().out
 
 
@@ -29,15 +32,15 @@ def test_a_good_pipeline_passes(capsys):
      ("flip", "rotation"), "output shape (3, 40, 40)"),
     ([v2.Resize((32, 32)), v2.RandomHorizontalFlip()], ("flip", "policy"), "no policy step"),
 ])
-def test_a_pipeline_that_misses_something_gets_a_hint(capsys, steps, needs, said):
-    verdict = check.augmentation_pipeline(v2.Compose([*steps, *tail()]), 32, needs=needs)
+def test_augmentation_pipeline_wrong_steps_get_a_hint(capsys, steps, needs, said):
+    verdict = augmentation.augmentation_pipeline(v2.Compose([*steps, *tail()]), 32, needs=needs)
     assert not verdict
     out = capsys.readouterr().out
     assert "[not yet]" in out and said in out and "hint:" in out
 
 
 def test_a_pipeline_without_float_output_is_told_how_to_end():
-    verdict = check.augmentation_pipeline(
+    verdict = augmentation.augmentation_pipeline(
         v2.Compose([v2.RandomResizedCrop(32), v2.RandomHorizontalFlip(),
                     v2.RandomRotation(10)]), 32)
     assert not verdict and "ToDtype" in verdict.hint
@@ -47,7 +50,7 @@ def test_a_pipeline_that_crashes_is_reported_not_raised():
     def broken(image):
         raise RuntimeError("kaput")
 
-    verdict = check.augmentation_pipeline(broken, 32)
+    verdict = augmentation.augmentation_pipeline(broken, 32)
     assert not verdict and "kaput" in verdict.detail
 
 
@@ -58,15 +61,15 @@ class Net(torch.nn.Module):
         self.classifier = torch.nn.Linear(4, 2)
 
 
-def test_frozen_base():
+def test_frozen_base_wrong_answers_get_hints():
     model = Net()
-    assert not check.frozen_base(model)  # nothing frozen yet
+    assert not augmentation.frozen_base(model)  # nothing frozen yet
     for p in model.features.parameters():
         p.requires_grad = False
-    assert check.frozen_base(model)
+    assert augmentation.frozen_base(model)
     for p in model.classifier.parameters():
         p.requires_grad = False
-    verdict = check.frozen_base(model)
+    verdict = augmentation.frozen_base(model)
     assert not verdict and "nothing would learn" in verdict.detail
 
 
@@ -89,5 +92,137 @@ def test_in_band_wants_low_below_high():
 def test_solutions_only_when_asked(capsys):
     assert "requires_grad = False" in check.solution("frozen_base")
     assert "requires_grad" in capsys.readouterr().out
-    with pytest.raises(KeyError, match="choose from augmentation_pipeline, frozen_base"):
+    with pytest.raises(KeyError, match="no exercise 'nope': choose from .*augmentation_pipeline"):
         check.solution("nope")
+
+
+# ---- the exercise machinery ---------------------------------------------------------------------
+
+@check.exercise("_test_double", notebook="99", title="double it")
+def double_check(fn):
+    if fn(2) != 4:
+        raise check.NotYet(f"fn(2) gave {fn(2)}", "multiply by two")
+    return "fn(2) == 4"
+
+
+def _double_on_ranks(fn):
+    import torch.distributed as dist
+
+    return fn(dist.get_rank() + 1)
+
+
+@check.exercise("_test_double_on_ranks", notebook="99", title="double it on every rank")
+def double_on_ranks(fn):
+    values = check.on_ranks(_double_on_ranks, fn, timeout=60)
+    if values != [2, 4]:
+        raise check.NotYet(f"ranks returned {values}", "multiply by two")
+    return "both ranks doubled"
+
+
+def test_a_pass_is_recorded_in_the_progress_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    assert double_check(lambda x: 2 * x)
+    assert "[pass] double it: fn(2) == 4" in capsys.readouterr().out
+    assert "_test_double" in json.loads((tmp_path / "progress.json").read_text())
+    done = check.progress()
+    assert done["99"] == ["_test_double"]
+    out = capsys.readouterr().out
+    assert "[pass] double it" in out and "[    ] double it on every rank" in out
+    assert f"recorded in {tmp_path / 'progress.json'}" in out
+
+
+def test_a_wrong_answer_is_a_hint_and_not_recorded(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    verdict = double_check(lambda x: x + 1)
+    assert not verdict and verdict.hint == "multiply by two" and "fn(2) gave 3" in verdict.detail
+    assert "[not yet] double it" in capsys.readouterr().out
+    assert not (tmp_path / "progress.json").exists()
+
+
+def test_the_placeholder_is_not_written_yet_without_running_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+
+    def untouched(x):
+        raise NotImplementedError(check.PLACEHOLDER)
+
+    for answer in (untouched, ...):
+        verdict = double_check(answer)
+        assert not verdict and "not written yet" in verdict.detail
+        assert "check.solution('_test_double')" in verdict.hint
+
+
+def test_the_learners_exception_is_a_verdict_with_its_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+
+    def broken(x):
+        return {}[x]
+
+    verdict = double_check(broken)
+    assert not verdict and "your code raised KeyError: 2" in verdict.detail
+    assert "in broken" in verdict.detail and "return {}[x]" in verdict.detail
+
+
+def test_a_damaged_progress_file_starts_afresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    (tmp_path / "progress.json").write_text("{not json")
+    assert double_check(lambda x: 2 * x)
+    assert list(json.loads((tmp_path / "progress.json").read_text())) == ["_test_double"]
+
+
+def test_an_exercise_id_is_taken_once():
+    with pytest.raises(ValueError, match="'_test_double' is taken"):
+        check.exercise("_test_double", notebook="98", title="again")
+
+
+def test_on_ranks_grades_on_real_ranks_and_turns_failures_into_hints(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    assert double_on_ranks(lambda x: 2 * x)
+    wrong = double_on_ranks(lambda x: x)
+    assert not wrong and "ranks returned [1, 2]" in wrong.detail
+
+    def fails_on_rank_1(x):
+        if x == 2:
+            raise ValueError("rank one is unhappy")
+        return 2 * x
+
+    failed = double_on_ranks(fails_on_rank_1)
+    assert not failed and "rank 1 raised" in failed.detail and "rank one is unhappy" in failed.detail
+
+    def untouched(x):
+        raise NotImplementedError(check.PLACEHOLDER)
+
+    assert "not written yet" in double_on_ranks(untouched).detail
+    assert double_on_ranks(lambda x: 2 * x)  # the pool was replaced after the failure
+
+
+def _hangs_on_rank_0(fn):
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    return 0
+
+
+def test_on_ranks_names_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    with pytest.raises(check.NotYet, match="still running after 8 s") as hang:
+        check.on_ranks(_hangs_on_rank_0, None, timeout=8)
+    assert "same collectives in the same order" in hang.value.hint
+
+
+def test_in_band_measures_again_once_when_it_misses(capsys):
+    again = iter([0.5])
+    assert check.in_band("speedup", 0.1, 0.3, cause="busy", retry=lambda: next(again))
+    out = capsys.readouterr().out
+    assert "[measuring again] speedup" in out and "[as expected] speedup: measured 0.5" in out
+    assert not check.in_band("speedup", 0.1, 0.3, cause="busy", retry=lambda: 0.2)
+
+
+def test_prediction_compares_and_never_raises(capsys):
+    assert check.prediction("speedup", 1.9, 1.62, unit="x")
+    assert "you said 1.9x, measured 1.62x (17% off: close)" in capsys.readouterr().out
+    far = check.prediction("speedup", 4, 1.62, unit="x", why="communication is not free")
+    assert not far and "why: communication is not free" in capsys.readouterr().out
+    assert check.prediction("speedup", ..., 1.62) is None
+    assert "Write your prediction first" in capsys.readouterr().out
