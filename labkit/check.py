@@ -36,8 +36,9 @@ from pathlib import Path
 __all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "solution", "progress",
            "in_band", "prediction", "EXERCISES", "PLACEHOLDER"]
 
-# The exercise cells as the learner finds them: functions that raise NotImplementedError(PLACEHOLDER),
-# or names assigned ``...``. A check sees either and says "not written yet" without running it.
+# The exercise cells as the learner finds them: functions that raise
+# NotImplementedError(PLACEHOLDER), or names assigned ``...``. A check sees either and says
+# "not written yet" without running anything.
 PLACEHOLDER = "your code here"
 
 
@@ -220,7 +221,8 @@ def on_ranks(worker, *args, nproc: int = 2, timeout: float = 60.0, warm: bool = 
         text = failed.full_message or str(failed)
         if "NotImplementedError" in text and PLACEHOLDER in text:
             raise NotYet("not written yet (it still raises NotImplementedError)",
-                         "replace the `raise NotImplementedError(...)` line with your code") from None
+                         "replace the `raise NotImplementedError(...)` line with your "
+                         "code") from None
         raise NotYet(f"rank {failed.rank} raised: {str(failed).strip()}",
                      "the traceback above is your code's, on that rank: fix the line it ends "
                      "on") from None

@@ -1,4 +1,4 @@
-"""The course's exercises: enough in every notebook, each with a solution and a wrong answer tested."""
+"""The course's exercises: enough per notebook, each solved and with a wrong answer tested."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def solution_blocks(stem: str | None = None) -> dict[str, str]:
             continue
         text = path.read_text()
         marks = list(BLOCK_LINE.finditer(text))
-        for mark, nxt in zip(marks, [*marks[1:], None]):
+        for mark, nxt in zip(marks, [*marks[1:], None], strict=True):
             body = text[mark.end():nxt.start() if nxt else len(text)].strip("\n")
             if mark.group(1) in blocks:
                 raise ValueError(f"{path.name}: two solution blocks for {mark.group(1)!r}")
