@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 __all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "solution", "progress",
+           "assert_passed",
            "in_band", "prediction", "EXERCISES", "PLACEHOLDER"]
 
 # The exercise cells as the learner finds them: functions that raise
@@ -90,6 +91,7 @@ class Exercise:
 
 
 EXERCISES: dict[str, Exercise] = {}  # id -> Exercise, filled as labkit.exercises modules import
+_LAST: dict[str, bool] = {}  # id -> whether this process's last check of it passed
 
 
 def exercise(id: str, *, notebook: str, title: str):
@@ -119,6 +121,7 @@ def exercise(id: str, *, notebook: str, title: str):
         @functools.wraps(grader)
         def graded(*args, **kwargs) -> Verdict:
             verdict = _grade(id, title, grader, args, kwargs)
+            _LAST[id] = verdict.passed
             if verdict.passed:
                 _record_pass(id)
             return verdict.show()
@@ -253,6 +256,18 @@ def solution(exercise: str) -> str:
     text = blocks[exercise]
     print(text)
     return text
+
+
+def assert_passed(ids) -> None:
+    """Fail unless every exercise in ``ids`` was checked in this process, last with a pass.
+
+    The solution notebooks end with it: a solution that no longer passes fails CI.
+    """
+    missing = [i for i in ids if i not in _LAST]
+    failed = [i for i in ids if i in _LAST and not _LAST[i]]
+    assert not missing and not failed, (f"exercises never checked: {missing}; checked but not "
+                                        f"passed: {failed}")
+    print(f"all {len(ids)} exercises passed: {', '.join(ids)}")
 
 
 def progress_file() -> Path:

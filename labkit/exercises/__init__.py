@@ -91,11 +91,23 @@ def solution_notebook(path: Path):
     nb = nbformat.read(path, as_version=4)
     blocks = solution_blocks(path.stem)
     out = copy.deepcopy(nb)
+    ids = []
     for i, ex_id in exercise_cells(nb):
         if ex_id not in blocks:
             raise KeyError(f"{path.name} cell {i}: no solution block `# %% {ex_id}` in "
                            f"solutions/{path.stem}.py")
         out.cells[i].source = f"# EXERCISE {ex_id} (solution)\n{blocks[ex_id]}"
+        ids.append(ex_id)
+    title = f"# Solutions: {path.name}"
+    out.cells.insert(0, nbformat.v4.new_markdown_cell(
+        f"{title}\n\nThe course notebook with every exercise cell filled in with its reference "
+        f"solution (from `solutions/{path.stem}.py`). Try the exercises in the course notebook "
+        f"first."))
+    out.cells.append(nbformat.v4.new_code_cell(
+        "# Every exercise of this notebook passed, run by its check above.\n"
+        f"from labkit import check\n\ncheck.assert_passed({ids!r})"))
+    for n, cell in enumerate(out.cells):  # ids stable from one build to the next
+        cell["id"] = f"solution-{n}"
     return out
 
 
