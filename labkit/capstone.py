@@ -149,7 +149,8 @@ class Recorder:
     def __init__(self, rank: int, world_size: int):
         self.record = {"rank": rank, "world_size": world_size, "sampler_passes": [], "steps": [],
                        "eval_samples": 0, "train_samples": 0, "ddp_wrapped": 0, "transforms": [],
-                       "gpu_augment": 0, "batch_hashes": [], "eval_hashes": set()}
+                       "gpu_augment": 0, "batch_hashes": [], "eval_hashes": set(),
+                       "collectives_after_eval": 0}
         self._depth = 0     # nesting of module forward calls: only the outermost is the model's
         self._batch = None  # size of the last training forward pass, for the next optimizer step
 
@@ -163,6 +164,7 @@ class Recorder:
         (:func:`labkit.data.register_dataset_hook`,
         :func:`labkit.augment.register_gpu_augment_hook`).
         """
+        import torch.distributed as dist
         from torch.nn.modules import module as nn_module
         from torch.nn.parallel import DistributedDataParallel
         from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -173,6 +175,8 @@ class Recorder:
         with contextlib.ExitStack() as stack:
             _call_first(stack, DistributedSampler, "__iter__", self.on_sampler_pass)
             _call_first(stack, DistributedDataParallel, "__init__", self.on_ddp_init)
+            for name in _AGGREGATING_COLLECTIVES:
+                _call_before(stack, dist, name, self.on_collective)
             for handle in (data.register_dataset_hook(self.on_dataset),
                            augment.register_gpu_augment_hook(self.on_gpu_augment),
                            register_optimizer_step_pre_hook(self.on_optimizer_step),
@@ -189,6 +193,13 @@ class Recorder:
         self.record["sampler_passes"].append({"id": id(sampler), "epoch": int(sampler.epoch),
                                               "size": len(sampler.dataset),
                                               "shuffle": sampler.shuffle})
+
+    def on_collective(self) -> None:
+        """A collective that can aggregate a metric, called by the learner's code."""
+        # DDP's gradient all-reduce runs in C++ and is not seen here: what is seen after an
+        # evaluation is the learner combining the ranks' counts (or not).
+        if self.record["eval_samples"]:
+            self.record["collectives_after_eval"] += 1
 
     def on_ddp_init(self, ddp_model) -> None:
         """DistributedDataParallel wraps a model."""
@@ -267,6 +278,26 @@ class Recorder:
             blob.update(p.detach().cpu().contiguous().numpy().tobytes())
         self.record["param_hash"] = blob.hexdigest()
         self.record["param_sums"] = [float(p.detach().double().sum()) for p in model.parameters()]
+
+
+_AGGREGATING_COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+                            "all_gather_object", "gather", "gather_object", "reduce_scatter",
+                            "reduce_scatter_tensor")
+
+
+def _call_before(stack: contextlib.ExitStack, module, name: str, before) -> None:
+    """Make ``module.name(...)`` call ``before()`` first, until ``stack`` closes."""
+    original = getattr(module, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        before()
+        return original(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+    stack.callback(setattr, module, name, original)
 
 
 def _call_first(stack: contextlib.ExitStack, owner, name: str, before) -> None:
@@ -375,8 +406,28 @@ def _certificate(a: Assessment) -> str:
     body += ["", f"  {f['world_size']} workers, global batch {f['global_batch']}, peak lr "
                  f"{f['peak_lr']:.4g}; held-out accuracy {f['held_out_acc']:.3f} (target "
                  f"{f['target']:.2f}); {f['seconds']:.1f} s of a {f['time_budget']:g} s budget; "
-                 f"{f['samples_per_s']:.0f} training samples/s", rule]
+                 f"{f['samples_per_s']:.0f} training samples/s"]
+    body += _exercises_passed()
+    body.append(rule)
     return "\n".join(body)
+
+
+def _exercises_passed() -> list[str]:
+    """The certificate's lines on the course's exercises, from the learner's progress file."""
+    import textwrap
+
+    from . import check
+
+    done = check.progress(show=False)
+    total = sum(1 for e in check.EXERCISES.values() if e.notebook in done)
+    passed = sum(len(ids) for ids in done.values())
+    lines = ["", f"  course exercises passed: {passed} of {total} "
+                 f"(recorded in {check.progress_file()})"]
+    for notebook, ids in done.items():
+        titles = ", ".join(check.EXERCISES[i].title for i in ids) or "none yet"
+        lines.append(textwrap.fill(titles, 78, initial_indent=f"    {notebook}: ",
+                                   subsequent_indent=" " * 8))
+    return lines
 
 
 # ---- the grader ----------------------------------------------------------------------------------
@@ -683,6 +734,18 @@ def _crit_validation(model, zero, records, task, figures) -> Verdict:
         "trained on")
     if train_seen and not val_seen:  # the evaluation saw training images only
         return on_training_split
+    val_only = val_hashes - train_hashes
+    share = len(zero["eval_hashes"] & val_only)
+    if (val_only and share < 0.9 * len(val_only) and val_seen >= 0.9 * len(val_only)
+            and not zero["collectives_after_eval"]):
+        # The ranks evaluated the split between them, and nothing combined their counts.
+        return Verdict("honest validation", False,
+                       f"each rank evaluated its own share of task.val (rank 0: {share} of "
+                       f"{len(val_only)} validation images) and no collective followed: the "
+                       f"reported val_acc {reported:.3f} is rank 0's share alone (the whole "
+                       f"split: {on_val:.3f})",
+                       "count (correct, seen) on each rank, then dist.all_reduce the counts: "
+                       "every rank then reports the accuracy of the whole split")
     if abs(reported - on_val) <= tol:
         return Verdict("honest validation", True, f"reported {reported:.3f}, the grader measured "
                        f"{on_val:.3f} on task.val ({val_seen} of {len(task.val)} validation "

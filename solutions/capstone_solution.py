@@ -136,6 +136,12 @@ def evaluated_on_training_split(task, width: int = WIDTH) -> dict:
     return train_ddp(dataclasses.replace(task, val=task.train), width)
 
 
+def validation_not_all_reduced(task, width: int = WIDTH) -> dict:
+    """Mistake: each rank counts its share of the validation split; the counts never all-reduced."""
+    with mock.patch.object(dist, "all_reduce", lambda tensor, *args, **kwargs: None):
+        return train_ddp(task, width)
+
+
 class _EachRankAlone(nn.Module):
     """DDP's interface (``.module``, forward) without its gradient all-reduce."""
 
@@ -155,4 +161,5 @@ def not_distributed(task, width: int = WIDTH) -> dict:
 
 MISTAKES = {"no set_epoch": no_set_epoch, "no lr scaling": no_lr_scaling,
             "evaluated on the training split": evaluated_on_training_split,
+            "validation not all-reduced": validation_not_all_reduced,
             "not distributed": not_distributed}

@@ -182,6 +182,58 @@ def test_the_recorder_sees_what_training_does_and_leaves_nothing_behind():
     assert len(rec["transforms"]) == 2 and rec["gpu_augment"] == 1 and len(rec["steps"]) == 4
 
 
+def test_the_recorder_counts_the_collectives_that_follow_an_evaluation(group):
+    import torch
+
+    original = group.all_reduce
+    model = torch.nn.Linear(4, 2)
+    recorder = capstone.Recorder(rank=0, world_size=1)
+    with recorder.watching():
+        group.all_reduce(torch.ones(1))  # before any evaluation: not a metric being combined
+        model.eval()
+        model(torch.ones(3, 4))
+        group.all_reduce(torch.ones(2))
+        group.all_gather_object([None], 1)
+    assert recorder.record["eval_samples"] == 3
+    assert recorder.record["collectives_after_eval"] == 2
+    assert group.all_reduce is original
+
+
+def test_the_certificate_lists_the_exercises_passed(tmp_path, monkeypatch):
+    import json
+
+    from labkit import check
+
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    (tmp_path / "progress.json").write_text(json.dumps({"frozen_base": "2026-01-01T00:00:00"}))
+    lines = "\n".join(capstone._exercises_passed())
+    total = sum(1 for e in check.EXERCISES.values() if not e.id.startswith("_test"))
+    assert "course exercises passed: 1 of" in lines and "01: freeze the base" in lines
+    assert total >= 2
+
+
+def test_a_validation_share_never_combined_is_not_honest():
+    import torch
+
+    from labkit import data
+
+    task = capstone.capstone_task(**TINY)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    model(torch.zeros(1, 3, task.image_size, task.image_size))
+    val = data.to_torch(task.val, task.eval_transform)
+    half = torch.stack([val[i][0] for i in range(0, len(val), 2)])
+    zero = {"val_acc": 0.5, "eval_hashes": capstone._row_hashes(half),
+            "collectives_after_eval": 0, "param_hash": "a"}
+    one = {**zero, "eval_hashes": capstone._row_hashes(
+        torch.stack([val[i][0] for i in range(1, len(val), 2)]))}
+    verdict = capstone._crit_validation(model, zero, [zero, one], task, {})
+    assert not verdict and "is rank 0's share alone" in verdict.detail
+    assert "all_reduce the counts" in verdict.hint
+    combined = {**zero, "collectives_after_eval": 1}
+    verdict = capstone._crit_validation(model, combined, [combined, one], task, {})
+    assert "share alone" not in verdict.detail
+
+
 # ---- real runs: the solution passes, each known mistake fails for its reason -------------------
 
 
@@ -192,6 +244,7 @@ def test_the_solution_passes_with_a_certificate(task, capsys):
     assert verdict, out
     assert [c.exercise for c in verdict.criteria] == list(capstone.CAPSTONE_CRITERIA)
     assert "certificate of completion" in out and "all 9 criteria met" in out
+    assert "course exercises passed:" in out
     f = verdict.figures
     assert f["world_size"] == 2 and f["global_batch"] == 32 and f["peak_lr"] == pytest.approx(0.1)
     assert abs(f["reported_val_acc"] - f["val_acc"]) < 0.01 and f["held_out_acc"] >= TARGET
@@ -203,6 +256,7 @@ def test_the_solution_passes_with_a_certificate(task, capsys):
     ("no lr scaling", "lr scaling", "unscaled", set()),
     ("evaluated on the training split", "honest validation", "measured on the training split",
      set()),
+    ("validation not all-reduced", "honest validation", "is rank 0's share alone", set()),
     # Ranks that trained apart hold different models: no one model has the reported accuracy.
     ("not distributed", "N workers", "gradients were not averaged", {"honest validation"}),
 ])
