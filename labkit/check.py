@@ -64,6 +64,10 @@ class Verdict:
         print(self)
         return self
 
+    def _ipython_display_(self) -> None:
+        # A check prints its verdict when it is made; a cell ending in one shows it once.
+        pass
+
 
 class NotYet(Exception):
     """Raised by a grader for a wrong answer: ``detail`` says what is wrong, ``hint`` what to try.

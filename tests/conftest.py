@@ -64,3 +64,14 @@ def nccl_group(tmp_path):
                             world_size=1, device_id=torch.device("cuda", 0))
     yield dist
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_pool_stopped_at_the_end():
+    """Tests that run warm (``warm=True``, ``check.on_ranks``) share the session's warm workers;
+    they are stopped when the session ends, and the temporary LABKIT_HOME is removed."""
+    yield
+    from labkit import launcher
+
+    launcher.stop_workers()
+    _HOME.cleanup()

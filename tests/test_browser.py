@@ -2,7 +2,9 @@
 
 What no other test shows: that the course works where learners use it. JupyterLab starts on
 127.0.0.1 with a token, on a temporary copy of notebooks/ in the smoke profile; Chromium opens a
-notebook, runs its cells from the Run menu (all of notebook 00; notebook 01 through its widget),
+notebook, runs its cells from the Run menu (all of notebook 00; notebook 01 through its widget
+and its first exercise, which it then works as a learner does: a wrong answer typed in gets
+its hint, the right one a pass),
 waits for the kernel to go idle, and the DOM must show the plots and the widgets, and no error
 anywhere. A screenshot of each notebook is kept in tests/artifacts/ (gitignored) for a human
 to look at.
@@ -230,11 +232,11 @@ def test_notebook_00_runs_in_the_browser(browser, lab):
         stop_kernels(lab)
 
 
-def test_notebook_01_widget_renders_in_the_browser(browser, lab):
-    # Through the augmentation explorer only: the training after it adds a minute and nothing
+def test_notebook_01_widget_and_an_exercise_in_the_browser(browser, lab):
+    # Through the first exercise's check only: the training after it adds a minute and nothing
     # a browser shows that nbval's run of the whole notebook in `make test` does not.
     name = "01_vgg16_data_augmentation.ipynb"
-    page, nb = run_notebook(browser, lab, name, through="augmentation_explorer(")
+    page, nb = run_notebook(browser, lab, name, through="exercise.augmentation_pipeline(")
     try:
         assert_no_errors(page, nb, name)
         assert page.locator(".jp-OutputArea .jupyter-widgets").count() >= 1
@@ -244,9 +246,47 @@ def test_notebook_01_widget_renders_in_the_browser(browser, lab):
         assert loaded_images(page, ".jp-OutputArea .jupyter-widgets img") >= 1
         assert loaded_images(page, ".jp-OutputArea-output img") >= 3, "plots are missing"
         assert screenshot(page, sliders.first, name).stat().st_size > 10_000
+        work_the_exercise(page, nb, name)
     finally:
         page.close()
         stop_kernels(lab)
+
+
+WRONG_PIPELINE = """my_pipeline = v2.Compose([
+v2.Resize((image_size, image_size), antialias=True),
+v2.RandomHorizontalFlip(),
+v2.ToDtype(torch.float32, scale=True),
+v2.Normalize(augment.IMAGENET_MEAN, augment.IMAGENET_STD),
+])"""
+RIGHT_PIPELINE = WRONG_PIPELINE.replace("v2.RandomHorizontalFlip(),",
+                                        "v2.RandomHorizontalFlip(),\nv2.RandomRotation(15),")
+
+
+def work_the_exercise(page, nb, name: str):
+    """As a learner does: the untouched cell says "not yet"; a wrong answer typed into the
+    exercise cell gets its hint; the right one a pass. Nothing raises on the way."""
+    index = next(i for i, c in enumerate(nb["cells"])
+                 if "".join(c["source"]).startswith("# EXERCISE augmentation_pipeline"))
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    check_output = cells.nth(index + 1).locator(".jp-OutputArea")
+    assert "[not yet] augmentation pipeline" in check_output.inner_text()
+    for answer, expected in [(WRONG_PIPELINE, "no rotation step"),
+                             (RIGHT_PIPELINE, "[pass] augmentation pipeline")]:
+        editor = cells.nth(index).locator(".cm-content")
+        editor.click()
+        page.keyboard.press("Control+a")
+        # insert_text, not type: the editor would auto-indent and close brackets as it types.
+        page.keyboard.insert_text(f"# EXERCISE augmentation_pipeline\n{answer}")
+        page.keyboard.press("Shift+Enter")  # runs the exercise cell, selects the check's
+        page.keyboard.press("Shift+Enter")  # runs the check
+        page.wait_for_function(
+            "([i, text]) => document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+            "?.querySelector('.jp-OutputArea')?.innerText.includes(text)",
+            arg=[index + 1, expected], timeout=60_000, polling=250)
+        shown = check_output.inner_text()
+        assert expected in shown and "Traceback" not in shown, shown
+    assert "hint:" not in check_output.inner_text()
+    screenshot(page, check_output, "01_exercise")
 
 
 def stop_kernels(lab):
