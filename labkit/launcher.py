@@ -1307,7 +1307,9 @@ def use_warm(on: bool | None = True) -> None:
     kernel's warm workers (:func:`workers`) where it can, and runs cold where it cannot (a
     script, several nodes, ``max_restarts``, ``keep_run_dir``, TensorFlow). ``use_warm(False)``:
     cold unless ``warm=True``. ``use_warm(None)``: back to the ``LABKIT_WARM`` environment
-    variable (``LABKIT_WARM=1``: warm by default; unset or 0: cold).
+    variable (``LABKIT_WARM=1``: warm by default; unset or 0: cold). ``LABKIT_WARM=never``
+    overrides them all: every run starts fresh workers, ``warm=True`` included (to time the
+    cold path, or to rule warm workers out when something misbehaves).
 
     Example::
 
@@ -1322,17 +1324,24 @@ def use_warm(on: bool | None = True) -> None:
     _WARM = on
 
 
+def _never_warm() -> bool:
+    """``LABKIT_WARM=never``: every run cold, ``warm=True`` included (to time the cold path,
+    or to rule warm workers out when a run misbehaves)."""
+    return os.environ.get("LABKIT_WARM", "").strip().lower() == "never"
+
+
 def _warm_default() -> bool:
     """What ``warm=None`` means now: use_warm's choice, else LABKIT_WARM's."""
     if _WARM is not None:
         return _WARM
     value = os.environ.get("LABKIT_WARM", "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
+    if value in ("", "0", "false", "no", "off", "never"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"LABKIT_WARM={value!r} is not understood: set it to 1 (warm workers by "
-                     "default) or 0 (cold), or call labkit.use_warm(True)")
+                     "default), 0 (cold by default) or never (cold even with warm=True), or "
+                     "call labkit.use_warm(True)")
 
 
 def _cold_only(fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir) -> str | None:
@@ -1359,7 +1368,7 @@ def _goes_warm(warm, fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_ru
     if warm is not None and not isinstance(warm, bool):
         raise ValueError(f"warm must be True, False or None (the kernel's default, see "
                          f"labkit.use_warm), got {warm!r}")
-    if warm is False or (warm is None and not _warm_default()):
+    if warm is False or (warm is None and not _warm_default()) or _never_warm():
         return False
     reason = _cold_only(fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir)
     if reason is not None and warm:

@@ -696,6 +696,17 @@ def test_labkit_warm_1_makes_warm_the_default(monkeypatch):
         stop_kernel_pools()
 
 
+def test_labkit_warm_never_runs_everything_cold_even_warm_true(monkeypatch):
+    monkeypatch.setenv("LABKIT_WARM", "never")
+    labkit.use_warm(True)
+    try:
+        first = launch(rank_pid, nproc=1, warm=True).values
+        assert launch(rank_pid, nproc=1, warm=True).values != first, "fresh processes each time"
+        assert launch(rank_pid, nproc=1).values != first
+    finally:
+        stop_kernel_pools()
+
+
 def test_the_kernel_keeps_at_most_max_idle_pools_least_recently_used_stopped(monkeypatch,
                                                                             capsys):
     from labkit import launcher
