@@ -10,7 +10,8 @@ Plain helpers (no process group): :func:`split_stages`, :func:`micro_batches`, t
 lists of actions, :func:`bubble_formula`, :func:`simulate`, :func:`measured_bubble` and the
 single-process :func:`reference_step`. Worker functions, run inside
 ``labkit.launch(..., nproc=stages)`` where rank ``r`` is stage ``r``: :func:`run_pipeline`
-(the schedule executed with point-to-point sends), :func:`bubble_sweep`, and
+(the schedule executed with point-to-point sends, each stage's actions by :func:`run_stage`),
+:func:`bubble_sweep`, and
 :func:`pipelining_step` (the same step with ``torch.distributed.pipelining``)::
 
     build = stage_builder(mlp_stack)
@@ -36,7 +37,7 @@ from .memory import counting_saved_bytes
 __all__ = ["mlp_stack", "example_batch", "split_stages", "stage_builder", "micro_batches",
            "naive_schedule", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES",
            "check_schedule", "bubble_formula", "simulate", "measured_bubble", "bubble_breakdown",
-           "reference_step", "run_pipeline", "bubble_sweep", "pipelining_step"]
+           "reference_step", "run_stage", "run_pipeline", "bubble_sweep", "pipelining_step"]
 
 
 # ---- the model and its stages -------------------------------------------------------------------
@@ -526,12 +527,26 @@ def _input_meta(module, first_input, rank: int, stages: int, device):
     return shape, dtype
 
 
-def _run_actions(module, actions, xs, ys, meta, loss_fn, device, t0,
-                 held=()) -> tuple[list, list, dict]:
-    """Run one stage's actions for one step; return its events, (last stage) its losses, and
-    the activations it held: ``{"live", "bytes", "micro"}``, the peak number of micro-batches
-    alive (forward done, backward owed), the peak bytes they kept for backward, and the bytes
-    of one micro-batch. ``held`` (the parameters, the batch) is held anyway and not counted."""
+def run_stage(module, actions, xs, ys, meta, loss_fn, device, t0,
+              held=()) -> tuple[list, list, dict]:
+    """Inside a worker: this stage's ``actions`` for one step (:func:`run_pipeline`'s inner loop).
+
+    ``("F", i)`` takes micro-batch i's activations from the stage before (stage 0 reads
+    ``xs[i]``), runs the forward and sends its output on; the last stage computes the loss on
+    ``ys[i]``, divided by m. ``("B", i)`` takes the gradient of that output from the stage
+    after, runs the backward (accumulating into ``.grad``) and sends its input's gradient
+    back. ``meta`` is the (shape, dtype) of this stage's input, ``t0`` the step's start.
+
+    Returns its events, (last stage) its losses, and the activations it held: ``{"live",
+    "bytes", "micro"}``, the peak number of micro-batches alive (forward done, backward owed),
+    the peak bytes they kept for backward, and the bytes of one micro-batch. ``held`` (the
+    parameters, the batch) is held anyway and not counted.
+
+    Example::
+
+        >>> events, losses, peak = run_stage(module, [("F", 0), ("B", 0)], xs, ys, meta,
+        ...                                  F.cross_entropy, device, time.perf_counter())
+    """
     rank, stages, m = dist.get_rank(), dist.get_world_size(), len(xs)
     first, last = rank == 0, rank == stages - 1
     inputs, outputs, losses, events = {}, {}, [], []
@@ -642,8 +657,8 @@ def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, s
         module.zero_grad(set_to_none=True)
         barrier(device)
         t0 = time.perf_counter()
-        step_events, losses, held_now = _run_actions(module, actions, xs, ys, meta, loss_fn,
-                                                     device, t0, held)
+        step_events, losses, held_now = run_stage(module, actions, xs, ys, meta, loss_fn,
+                                                  device, t0, held)
         peak = {k: max(peak[k], held_now[k]) for k in peak}
         if step >= warmup:
             events += [{**e, "step": step - warmup} for e in step_events]

@@ -1,0 +1,357 @@
+"""Notebook 03's exercises: the 1F1B schedule as data, Megatron's f and g, ZeRO's bytes per rank.
+
+Each grader runs the learner's answer and returns what it verified, or raises
+:class:`labkit.check.NotYet` with what is wrong and a hint. The schedule and the tensor-parallel
+collectives also run on two real gloo ranks (:func:`labkit.check.on_ranks`), through the same
+pipeline runner and against the same dense layers the notebook uses.
+"""
+
+from __future__ import annotations
+
+from ..check import PLACEHOLDER, NotYet, exercise, on_ranks
+
+NOTEBOOK = "03"
+
+# (stages, m) pairs the schedule is tried on: m > p, m = 1, m < p, and more stages than 2.
+_SCHEDULE_CASES = [(2, 4), (2, 1), (2, 3), (3, 4), (4, 8), (4, 2)]
+
+
+def _fmt(actions) -> str:
+    return " ".join(f"{k}{i}" for k, i in actions)
+
+
+def _as_schedule(fn, stages: int, m: int) -> list[list[tuple[str, int]]]:
+    """The learner's schedule for (stages, m), as lists of ("F"/"B", int) tuples, or NotYet."""
+    got = fn(stages, m)
+    shape = (f"my_1f1b({stages}, {m}) must return a list of {stages} lists (one per stage) of "
+             f"actions like ('F', 0)")
+    if not isinstance(got, (list, tuple)) or len(got) != stages:
+        what = f"{len(got)} lists" if isinstance(got, (list, tuple)) else repr(got)[:120]
+        raise NotYet(f"my_1f1b({stages}, {m}) returned {what}", shape)
+    try:
+        return [[(str(kind), int(i)) for kind, i in actions] for actions in got]
+    except (TypeError, ValueError):
+        raise NotYet(f"my_1f1b({stages}, {m}) returned {str(got)[:120]}", shape) from None
+
+
+def _schedule_mistake(stage: int, stages: int, m: int, got, want) -> NotYet:
+    """Why stage ``stage`` of a valid schedule is not 1F1B: the usual mistakes, named."""
+    lead = next((k for k, (kind, _) in enumerate(got) if kind == "B"), len(got))
+    expected = min(stages - stage, m)  # p-s-1 warm-up forwards, then the first steady forward
+    where = f"(stages={stages}, m={m}) stage {stage} runs {_fmt(got)}; 1F1B runs {_fmt(want)}"
+    if m > expected and lead == m:
+        return NotYet(where, f"stage {stage} does all its forwards first: that is GPipe. 1F1B "
+                             f"starts the backward of its oldest micro-batch as soon as "
+                             f"{expected} are in flight, then alternates one F, one B")
+    if lead != expected:
+        return NotYet(where, f"warm-up count wrong: stage s should do p-s-1 forwards first "
+                             f"(here {stages}-{stage}-1 = {stages - stage - 1}, at most m), then "
+                             f"one more forward before its first backward")
+    return NotYet(where, "after the warm-up, alternate: the next forward, then the backward of the "
+                         "oldest micro-batch still held; end with the backwards still owed")
+
+
+def _invalid_hint(schedule, stages: int, m: int) -> str:
+    """A hint for a schedule that check_schedule refused (its message says what is wrong)."""
+    backwards = [[i for kind, i in actions if kind == "B"] for actions in schedule]
+    if any(order != sorted(order) for order in backwards):
+        return ("the backwards go oldest first (B0, B1, ...): each one frees the oldest "
+                "micro-batch's activations, and the next stage sends the gradients in that order")
+    if m < stages:
+        return (f"with fewer micro-batches than stages (m={m}) the warm-up is min(p-s-1, m) "
+                f"forwards")
+    return "each stage runs ('F', i) and ('B', i) exactly once for i in range(m), B i after F i"
+
+
+def _run_schedule(schedule, m: int, seed: int = 0) -> dict:
+    """Grading worker: ``schedule`` executed by the pipeline runner on a tiny model, rank = stage.
+
+    Returns the largest gradient difference from the unpipelined step and the micro-batches
+    each stage held at once (plain data, compared in the grader).
+    """
+    import functools
+
+    import torch.distributed as dist
+
+    from ..parallel import pipeline
+
+    build = pipeline.stage_builder(functools.partial(pipeline.mlp_stack, 16, 2, 8, 4), seed=seed)
+    batch = pipeline.example_batch(4 * m, inputs=8, classes=4, seed=seed)
+    out = pipeline.run_pipeline(build, schedule, m, batch)
+    ref = pipeline.reference_step(build, dist.get_world_size(), batch)
+    return {"grad_diff": (out["grads"] - ref["grads"][dist.get_rank()]).abs().max().item(),
+            "loss_diff": abs(out["loss"] - ref["loss"]), "peak_live": out["peak_live"]}
+
+
+@exercise("pipeline_1f1b_schedule", notebook=NOTEBOOK, title="the 1F1B schedule as data")
+def pipeline_1f1b_schedule(fn) -> str:
+    """Exercise: ``fn(stages, m)``, one list of ("F", i) / ("B", i) actions per stage, is 1F1B.
+
+    Compared with ``labkit.parallel.pipeline.one_f_one_b_schedule`` (torch's Schedule1F1B
+    order) for several (stages, m), then run on 2 gloo ranks by ``pipeline.run_pipeline``.
+
+    Example::
+
+        >>> exercise.pipeline_1f1b_schedule(my_1f1b)
+        [pass] the 1F1B schedule as data: ... 6 (stages, m) pairs ... held [2, 1] ...
+    """
+    from ..parallel import pipeline
+
+    for stages, m in _SCHEDULE_CASES:
+        got = _as_schedule(fn, stages, m)
+        try:  # every F and B once, B after F, neighbours in the same order
+            pipeline.check_schedule(got, m)
+        except ValueError as err:
+            raise NotYet(f"(stages={stages}, m={m}): {err}",
+                         _invalid_hint(got, stages, m)) from None
+        try:  # the stages must also fit together without waiting on each other forever
+            pipeline.simulate(got)
+        except ValueError as err:
+            raise NotYet(f"(stages={stages}, m={m}): {err}",
+                         "a later stage may not run more forwards before its first backward than "
+                         "an earlier one: stage s warms up with p-s-1 forwards") from None
+        want = pipeline.one_f_one_b_schedule(stages, m)
+        for stage in range(stages):
+            if got[stage] != want[stage]:
+                raise _schedule_mistake(stage, stages, m, got[stage], want[stage])
+    # The list is right; run it for real: the runner must reproduce the unpipelined gradients.
+    m = 4
+    ranks = on_ranks(_run_schedule, _as_schedule(fn, 2, m), m)
+    worst = max(r["grad_diff"] for r in ranks)
+    if worst > 1e-5 or ranks[0]["peak_live"] != [2, 1]:
+        raise NotYet(f"on 2 ranks: gradients off by {worst:.1e}, held {ranks[0]['peak_live']}",
+                     "the schedule matched the reference, so this is the runner: restart the "
+                     "kernel and run the notebook from the top")
+    return (f"the order of torch's Schedule1F1B for {len(_SCHEDULE_CASES)} (stages, m) pairs; "
+            f"run on 2 gloo ranks (m={m}) it gave the unpipelined gradients, and its stages held "
+            f"{ranks[0]['peak_live']} micro-batches at once (GPipe: [{m}, {m}])")
+
+
+# ---- tensor parallelism: Megatron's f and g ---------------------------------------------------
+
+
+def _unwritten(cls) -> bool:
+    """Whether an autograd Function's forward or backward still raises the placeholder."""
+    for name in ("forward", "backward"):
+        code = getattr(getattr(cls, name, None), "__code__", None)
+        if code is not None and PLACEHOLDER in code.co_consts:
+            return True
+    return False
+
+
+def _tp_probe(copy_cls, reduce_cls, sizes=(4, 8, 16, 8), seed: int = 0) -> dict:
+    """Grading worker: the learner's f and g on known tensors, then in a Megatron MLP.
+
+    Probes: f forward on x (must be x), f backward of a gradient ``rank + 1`` (must be the sum
+    over ranks), g forward of ``rank + 1`` (the sum), g backward of ones (ones). Then a column-
+    then-row MLP built with f and g from this rank's slices of a dense MLP: output, input and
+    weight gradients beside the dense MLP's, and the collectives of the forward and backward.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ..parallel import tensor
+
+    rank, t = dist.get_rank(), dist.get_world_size()
+    probe = {}
+    x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    y = copy_cls.apply(x * 1.0)  # a non-leaf input, as in a model
+    probe["f_forward"] = y.detach().clone()
+    y.backward(torch.full_like(y, rank + 1.0))
+    probe["f_backward"] = x.grad.clone()
+    base = torch.ones(2, 3, requires_grad=True)
+    z = reduce_cls.apply(base * (rank + 1.0))
+    probe["g_forward"] = z.detach().clone()
+    z.backward(torch.ones_like(z))
+    probe["g_backward"] = base.grad / (rank + 1.0)  # the gradient g handed back, per element
+
+    batch, in_f, hidden, out_f = sizes
+    torch.manual_seed(seed)
+    dense = tensor.dense_mlp(in_f, hidden, out_f)
+    x = torch.randn(batch, in_f)  # the same on every rank
+    xd = x.clone().requires_grad_()
+    (dense(xd).square().sum() / 2).backward()
+    rows = slice(rank * hidden // t, (rank + 1) * hidden // t)
+    w1 = dense[0].weight.detach()[rows].clone().requires_grad_()   # column parallel: rows of W1
+    b1 = dense[0].bias.detach()[rows].clone().requires_grad_()
+    w2 = dense[2].weight.detach()[:, rows].clone().requires_grad_()  # row parallel: columns
+    b2 = dense[2].bias.detach().clone().requires_grad_()
+    xt = x.clone().requires_grad_()
+    outs = []
+
+    def forward():
+        h = dense[1](F.linear(copy_cls.apply(xt), w1, b1))  # f, then this rank's hidden slice
+        outs.append(reduce_cls.apply(F.linear(h, w2)) + b2)  # g sums the partial outputs
+
+    counts = {"forward": tensor.count_collectives(forward)}
+    counts["backward"] = tensor.count_collectives(
+        lambda: (outs[0].square().sum() / 2).backward())
+    pairs = {"output": (outs[0], dense(x)), "input grad": (xt.grad, xd.grad),
+             "W2 grad": (w2.grad, dense[2].weight.grad[:, rows]),
+             "W1 grad": (w1.grad, dense[0].weight.grad[rows])}
+    return {"probe": probe, "collectives": counts,
+            "mlp": {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in pairs.items()}}
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    return a is not None and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _probe_mistake(ranks) -> NotYet | None:
+    """The first of f's and g's four jobs done wrong, named, from the probes of every rank."""
+    import torch
+
+    t = len(ranks)
+    total = t * (t + 1) / 2  # the sum over ranks of (rank + 1)
+    for r, got in enumerate(p["probe"] for p in ranks):
+        x = torch.arange(6.0).reshape(2, 3)
+        if not _same(got["f_forward"], x):
+            turned = got["f_forward"].flatten()[:3].tolist()
+            return NotYet(f"rank {r}: f's forward turned x into {turned}... instead of x "
+                          f"({x.flatten()[:3].tolist()}...)",
+                          "f's forward must return x unchanged: every rank already holds all of "
+                          "x (return x.view_as(x), or x itself)")
+        fb, gf, gb = got["f_backward"], got["g_forward"], got["g_backward"]
+        if not _same(gf, torch.full_like(x, total)):
+            said = {r + 1.0: "this rank's partial output unchanged", total / t: "the average"}
+            what = said.get(round(gf.flatten()[0].item(), 6), f"{gf.flatten()[0].item():g}")
+            return NotYet(f"rank {r}: g's forward returned {what} (partials "
+                          f"{list(range(1, t + 1))} on the ranks, their sum is {total:g})",
+                          "g's forward must all-reduce (sum, dist.all_reduce's default op, no "
+                          "division) the partial outputs, on a copy: dist.all_reduce works in "
+                          "place")
+        if not _same(gb, torch.ones_like(x)):
+            return NotYet(f"rank {r}: g's backward handed back {gb.flatten()[0].item():g} times "
+                          f"the incoming gradient",
+                          "g's backward must pass the gradient through unchanged: it is "
+                          "already the same on every rank, so summing it multiplies every "
+                          "gradient by the number of ranks")
+        if not _same(fb, torch.full_like(x, total)):
+            said = {r + 1.0: "its own gradient unchanged", total / t: "the average"}
+            what = said.get(round(fb.flatten()[0].item(), 6), f"{fb.flatten()[0].item():g}")
+            return NotYet(f"rank {r}: f's backward returned {what} (gradients "
+                          f"{list(range(1, t + 1))} on the ranks, their sum is {total:g})",
+                          "outputs right, input gradients wrong: the backward of the copy (f) "
+                          "must all-reduce (sum) the gradient: each rank holds only its share "
+                          "of dL/dx")
+    return None
+
+
+@exercise("tp_f_and_g", notebook=NOTEBOOK, title="Megatron's f and g")
+def tp_f_and_g(copy_cls, reduce_cls) -> str:
+    """Exercise: two autograd Functions, f (identity / all-reduce) and g (all-reduce / identity).
+
+    Run on 2 gloo ranks: each on known tensors, then together in a column-then-row parallel
+    MLP whose output, input gradient and weight gradients must equal the dense MLP's, with one
+    all-reduce forward and one backward.
+
+    Example::
+
+        >>> exercise.tp_f_and_g(MyCopyToTP, MyReduceFromTP)
+        [pass] Megatron's f and g: ... equal the dense MLP's; 1 all-reduce forward, 1 backward
+    """
+    import torch
+
+    for name, cls in (("f", copy_cls), ("g", reduce_cls)):
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+            raise NotYet(f"{name} is {cls!r}, not a torch.autograd.Function subclass",
+                         "pass the classes themselves: exercise.tp_f_and_g(MyCopyToTP, "
+                         "MyReduceFromTP)")
+        if _unwritten(cls):
+            raise NotYet(f"{cls.__name__} is not written yet (it still raises "
+                         f"NotImplementedError)",
+                         "write forward and backward of both classes, run the cell, then this "
+                         "check; check.solution('tp_f_and_g') shows one answer")
+    ranks = on_ranks(_tp_probe, copy_cls, reduce_cls)
+    mistake = _probe_mistake(ranks)
+    if mistake is not None:
+        raise mistake
+    for r, got in enumerate(p["mlp"] for p in ranks):
+        for what, (mine, dense) in got.items():
+            if not _same(mine, dense):
+                raise NotYet(f"rank {r}: the MLP's {what} differs from the dense MLP's",
+                             "f and g passed on their own: check that forward returns a tensor "
+                             "of x's shape and backward one gradient per input")
+    counts = ranks[0]["collectives"]
+    if counts != {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}:
+        raise NotYet(f"right numbers, but the MLP's collectives were {counts}",
+                     "Megatron's MLP communicates once each way: g's all-reduce in forward, f's "
+                     "in backward, and nothing else")
+    return ("f and g right on their own on 2 gloo ranks; in a column-then-row MLP the output, "
+            "input gradient and weight gradients equal the dense MLP's; 1 all-reduce forward, "
+            "1 backward")
+
+
+# ---- ZeRO: bytes per rank ---------------------------------------------------------------------
+
+_KEYS = ("params", "grads", "optimizer")
+_SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}  # the ZeRO stage that shards each
+
+
+def _zero_cases():
+    """(n_params, world_size, stage, param, grad, optimizer bytes): mixed and fp32 Adam, SGD."""
+    return ([(7e9, 8, s, 2, 2, 12) for s in range(4)] + [(132_352, 2, s, 4, 4, 8) for s in range(4)]
+            + [(1_000_000, 4, s, 2, 2, 8) for s in range(4)])
+
+
+def _zero_mistake(case, key, got, want) -> NotYet:
+    n, world, stage, *nbytes = case
+    full = n * dict(zip(_KEYS, nbytes, strict=True))[key]
+    default_full = n * {"params": 2, "grads": 2, "optimizer": 12}[key]
+    where = (f"ZeRO-{stage}, {n:g} params on {world} ranks, {'/'.join(map(str, nbytes))} bytes: "
+             f"{key} {got:,.0f}, expected {want:,.0f}")
+    sharded = stage >= _SHARDED_FROM[key]
+    close = lambda a, b: abs(a - b) <= 1e-9 * max(abs(b), 1.0)  # noqa: E731
+    if full != default_full and close(got, default_full / (world if sharded else 1)):
+        return NotYet(where, "use the byte sizes passed in (param_bytes, grad_bytes, "
+                             "optimizer_bytes), not 2 / 2 / 12")
+    if sharded and close(got, full):
+        says = {"optimizer": "optimizer state not sharded: ZeRO-1 and up divide it by world_size",
+                "grads": "gradients not sharded: ZeRO-2 and up divide them by world_size too",
+                "params": "parameters not sharded: ZeRO-3 (FSDP) divides them by world_size too"}
+        return NotYet(where, says[key])
+    if not sharded and close(got, full / world):
+        return NotYet(where, f"ZeRO-{stage} keeps the {key} whole on every rank: stage 1 shards "
+                             f"only the optimizer state, stage 2 also the gradients, stage 3 also "
+                             f"the parameters (stage 0 is plain data parallelism)")
+    if close(got, full * world):
+        return NotYet(where, "multiplied by world_size: a shard is 1/world_size of the whole")
+    return NotYet(where, "bytes = n_params x bytes per parameter, divided by world_size for what "
+                         "that ZeRO stage shards")
+
+
+@exercise("zero_bytes_per_rank", notebook=NOTEBOOK, title="ZeRO's bytes per rank")
+def zero_bytes_per_rank(fn) -> str:
+    """Exercise: ``fn(n_params, world_size, stage, param_bytes, grad_bytes, optimizer_bytes)``
+    returns ``{"params", "grads", "optimizer"}``: the bytes one data-parallel rank holds.
+
+    Compared with ``labkit.parallel.memory.estimate_memory`` for ZeRO stages 0 (plain DP) to 3,
+    for mixed-precision Adam, fp32 Adam and SGD with momentum.
+
+    Example::
+
+        >>> exercise.zero_bytes_per_rank(my_zero_bytes)
+        [pass] ZeRO's bytes per rank: stages 0 to 3 ... match memory.estimate_memory
+    """
+    from ..parallel import memory
+
+    cases = _zero_cases()
+    for case in cases:
+        n, world, stage, pb, gb, ob = case
+        got = fn(n, world, stage, pb, gb, ob)
+        if not isinstance(got, dict) or any(k not in got for k in _KEYS):
+            raise NotYet(f"my_zero_bytes{case} returned {str(got)[:100]}",
+                         "return a dict with the three keys 'params', 'grads' and 'optimizer' "
+                         "(bytes on one rank)")
+        want = memory.estimate_memory(n, strategy=("dp", "zero1", "zero2", "zero3")[stage],
+                                      world_size=world,
+                                      bytes_per_param={"params": pb, "grads": gb, "optimizer": ob})
+        for key in _KEYS:
+            value = float(got[key])
+            if abs(value - want[key]) > 1e-9 * max(abs(want[key]), 1.0):
+                raise _zero_mistake(case, key, value, want[key])
+    return (f"stages 0 to 3 for {len(cases) // 4} models (mixed-precision Adam, fp32 Adam, SGD) "
+            f"match memory.estimate_memory")

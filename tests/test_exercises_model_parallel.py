@@ -1,0 +1,229 @@
+"""Notebook 03's graders: the reference solutions pass, known wrong answers get the right hint.
+
+The schedule and the tensor-parallel graders run on 2 warm gloo ranks (one pool for the whole
+file: each grading run after the first takes milliseconds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import exercises
+from labkit.exercises import model_parallel as mp
+from labkit.parallel import pipeline, tensor
+
+STEM = "03_model_parallelism"
+
+
+def _solution(name: str):
+    """The object the solution block of ``name`` defines, exec'd as the notebook would."""
+    namespace = {"__name__": "__main__", "torch": torch, "dist": dist}
+    exec(exercises.solution_blocks(STEM)[name], namespace)
+    return namespace
+
+
+# ---- pipeline_1f1b_schedule -------------------------------------------------------------------
+
+def test_pipeline_1f1b_schedule_solution_passes_and_runs_on_ranks():
+    verdict = mp.pipeline_1f1b_schedule(_solution("pipeline_1f1b_schedule")["my_1f1b"])
+    assert verdict, verdict
+    assert "held [2, 1] micro-batches" in verdict.detail
+
+
+def test_pipeline_1f1b_schedule_wrong_gpipe():
+    verdict = mp.pipeline_1f1b_schedule(pipeline.gpipe_schedule)
+    assert not verdict and "that is GPipe" in verdict.hint
+
+
+def test_pipeline_1f1b_schedule_wrong_warmup_count():
+    def one_forward_too_many(stages, m):
+        schedule = []
+        for s in range(stages):
+            warmup = min(stages - s, m)  # p - s, one more than 1F1B's p - s - 1
+            actions = [("F", i) for i in range(warmup)]
+            for i in range(m - warmup):
+                actions += [("F", warmup + i), ("B", i)]
+            schedule.append(actions + [("B", i) for i in range(m - warmup, m)])
+        return schedule
+
+    verdict = mp.pipeline_1f1b_schedule(one_forward_too_many)
+    assert not verdict and "warm-up count wrong: stage s should do p-s-1 forwards first" in \
+        verdict.hint
+
+
+def test_pipeline_1f1b_schedule_wrong_warmup_not_capped_by_m():
+    def uncapped(stages, m):
+        schedule = []
+        for s in range(stages):
+            warmup = stages - s - 1  # without min(..., m): more forwards than micro-batches
+            actions = [("F", i) for i in range(warmup)]
+            for i in range(m - warmup):
+                actions += [("F", warmup + i), ("B", i)]
+            schedule.append(actions + [("B", i) for i in range(max(m - warmup, 0), m)])
+        return schedule
+
+    verdict = mp.pipeline_1f1b_schedule(uncapped)
+    assert not verdict and "min(p-s-1, m)" in verdict.hint and "m=2" in verdict.hint
+
+
+def test_pipeline_1f1b_schedule_wrong_backwards_newest_first():
+    def newest_first(stages, m):
+        out = []
+        for actions in pipeline.one_f_one_b_schedule(stages, m):
+            backs = iter(sorted((i for k, i in actions if k == "B"), reverse=True))
+            out.append([(k, next(backs)) if k == "B" else (k, i) for k, i in actions])
+        return out
+
+    verdict = mp.pipeline_1f1b_schedule(newest_first)
+    assert not verdict and "oldest first" in verdict.hint
+
+
+def test_pipeline_1f1b_schedule_wrong_deadlock():
+    def later_stages_warm_up_more(stages, m):  # stage s warms up with s forwards: a deadlock
+        return pipeline.one_f_one_b_schedule(stages, m)[::-1]
+
+    verdict = mp.pipeline_1f1b_schedule(later_stages_warm_up_more)
+    assert not verdict and "deadlocks" in verdict.detail and "p-s-1" in verdict.hint
+
+
+def test_pipeline_1f1b_schedule_wrong_shape():
+    verdict = mp.pipeline_1f1b_schedule(lambda stages, m: pipeline.one_f_one_b_schedule(2, m))
+    assert not verdict and "one per stage" in verdict.hint
+
+
+# ---- tp_f_and_g -----------------------------------------------------------------------------
+
+def _functions(f_forward, f_backward, g_forward, g_backward):
+    """An (f, g) pair of autograd Functions from four plain functions."""
+    f = type("F", (torch.autograd.Function,), {"forward": staticmethod(f_forward),
+                                               "backward": staticmethod(f_backward)})
+    g = type("G", (torch.autograd.Function,), {"forward": staticmethod(g_forward),
+                                               "backward": staticmethod(g_backward)})
+    return f, g
+
+
+def _summed(t):
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _identity(ctx, t):
+    return t.view_as(t)
+
+
+def _all_reduce(ctx, t):
+    return _summed(t)
+
+
+def _averaged(ctx, t):
+    return _summed(t) / dist.get_world_size()
+
+
+def test_tp_f_and_g_solution_passes():
+    ns = _solution("tp_f_and_g")
+    verdict = mp.tp_f_and_g(ns["MyCopyToTP"], ns["MyReduceFromTP"])
+    assert verdict, verdict
+    assert "1 all-reduce forward, 1 backward" in verdict.detail
+
+
+def test_tp_f_and_g_wrong_copy_backward_not_all_reduced():
+    verdict = mp.tp_f_and_g(*_functions(_identity, _identity, _all_reduce, _identity))
+    assert not verdict and "the backward of the copy (f) must all-reduce" in verdict.hint
+    assert "its own gradient unchanged" in verdict.detail
+
+
+def test_tp_f_and_g_wrong_reduce_forward_is_the_identity():
+    verdict = mp.tp_f_and_g(*_functions(_identity, _all_reduce, _identity, _identity))
+    assert not verdict and "g's forward must all-reduce" in verdict.hint
+    assert "partial output unchanged" in verdict.detail
+
+
+def test_tp_f_and_g_wrong_reduce_forward_averages():
+    verdict = mp.tp_f_and_g(*_functions(_identity, _all_reduce, _averaged, _identity))
+    assert not verdict and "the average" in verdict.detail and "no division" in verdict.hint
+
+
+def test_tp_f_and_g_wrong_reduce_backward_all_reduces_too():
+    verdict = mp.tp_f_and_g(*_functions(_identity, _all_reduce, _all_reduce, _all_reduce))
+    assert not verdict and "pass the gradient through unchanged" in verdict.hint
+
+
+def test_tp_f_and_g_wrong_copy_forward_all_reduces():
+    verdict = mp.tp_f_and_g(*_functions(_all_reduce, _all_reduce, _all_reduce, _identity))
+    assert not verdict and "f's forward must return x unchanged" in verdict.hint
+
+
+def test_tp_f_and_g_wrong_not_written_yet_is_seen_without_running():
+    class Untouched(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            raise NotImplementedError("your code here")
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise NotImplementedError("your code here")
+
+    verdict = mp.tp_f_and_g(Untouched, Untouched)
+    assert not verdict and "not written yet" in verdict.detail
+    verdict = mp.tp_f_and_g(tensor.copy_to_tp, tensor.reduce_from_tp)  # functions, not classes
+    assert not verdict and "not a torch.autograd.Function subclass" in verdict.detail
+
+
+# ---- zero_bytes_per_rank --------------------------------------------------------------------
+
+def _zero(shards, nbytes=None):
+    """A bytes-per-rank function sharding each key from the stage in ``shards``."""
+    def fn(n, world, stage, pb, gb, ob):
+        sizes = nbytes or {"params": pb, "grads": gb, "optimizer": ob}
+        return {k: n * sizes[k] / (world if stage >= shards[k] else 1) for k in sizes}
+    return fn
+
+
+def test_zero_bytes_per_rank_solution_passes():
+    verdict = mp.zero_bytes_per_rank(_solution("zero_bytes_per_rank")["my_zero_bytes"])
+    assert verdict, verdict
+
+
+def test_zero_bytes_per_rank_wrong_optimizer_not_sharded():
+    verdict = mp.zero_bytes_per_rank(_zero({"optimizer": 9, "grads": 2, "params": 3}))
+    assert not verdict and "optimizer state not sharded" in verdict.hint
+
+
+def test_zero_bytes_per_rank_wrong_grads_sharded_at_zero1():
+    verdict = mp.zero_bytes_per_rank(_zero({"optimizer": 1, "grads": 1, "params": 3}))
+    assert not verdict and "ZeRO-1 keeps the grads whole" in verdict.hint
+
+
+def test_zero_bytes_per_rank_wrong_params_not_sharded_at_zero3():
+    verdict = mp.zero_bytes_per_rank(_zero({"optimizer": 1, "grads": 2, "params": 9}))
+    assert not verdict and "parameters not sharded: ZeRO-3" in verdict.hint
+
+
+def test_zero_bytes_per_rank_wrong_fixed_byte_sizes():
+    fixed = _zero({"optimizer": 1, "grads": 2, "params": 3},
+                  nbytes={"params": 2, "grads": 2, "optimizer": 12})
+    verdict = mp.zero_bytes_per_rank(fixed)
+    assert not verdict and "use the byte sizes passed in" in verdict.hint
+
+
+def test_zero_bytes_per_rank_wrong_return_type():
+    verdict = mp.zero_bytes_per_rank(lambda n, world, stage, pb, gb, ob: n * (pb + gb + ob))
+    assert not verdict and "'params', 'grads' and 'optimizer'" in verdict.hint
+
+
+# ---- bad input, refused with what to do instead (the notebook's section 5 used to show these) -
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: pipeline.micro_batches(torch.zeros(64, 2), 3),
+     r"a batch of 64 does not split into 3 micro-batches: use m in \(1, 2, 4, 8, \.\.\.\)"),
+    (lambda: pipeline.split_stages(torch.nn.Sequential(*[torch.nn.Linear(2, 2)] * 4), 5),
+     r"more pipeline stages \(5\) than layers \(4\)"),
+    (lambda: tensor.check_split(1000, 3, "hidden size"),
+     r"hidden size 1000 does not split over 3 ranks: use a multiple of 3 \(e.g. 999 or 1002\)"),
+])
+def test_model_parallel_bad_input_is_refused_with_what_to_do(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
