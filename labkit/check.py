@@ -386,14 +386,19 @@ def prediction(what: str, predicted, measured: float, *, rel: float = 0.25, unit
     """
     measured = float(measured)
     if predicted is Ellipsis or predicted is None:
-        print(f"[prediction] {what}: measured {measured:.3g}{unit}. Write your prediction first "
+        print(f"[prediction] {what}: measured {_figure(measured)}{unit}. Write your prediction first "
               f"next time (the `...` in the cell above), then run the measurement")
         return None
     predicted = float(predicted)
     off = abs(predicted - measured) / max(abs(measured), 1e-12)
     close = off <= rel
-    detail = (f"you said {predicted:.3g}{unit}, measured {measured:.3g}{unit} "
+    detail = (f"you said {_figure(predicted)}{unit}, measured {_figure(measured)}{unit} "
               f"({off:.0%} off: {'close' if close else 'not close'})")
     verdict = Verdict(what, close, detail, "" if close else why)
     print(f"[prediction] {what}: {detail}" + ("" if close or not why else f"\n  why: {why}"))
     return verdict
+
+
+def _figure(x: float) -> str:
+    """A figure as a learner writes it: 20,436 rather than 2.04e+04; 0.112 and 1.62 as they are."""
+    return f"{x:,.0f}" if 1e3 <= abs(x) < 1e12 else f"{x:.3g}"

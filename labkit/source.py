@@ -11,7 +11,14 @@ __all__ = ["show"]
 _PACKAGE = Path(__file__).resolve().parent
 
 
-def show(obj, *, docstring: bool = False) -> str:
+class Shown(str):
+    """The text :func:`show` printed; a cell ending in ``show(...)`` does not echo it again."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def show(obj, *, docstring: bool = False) -> Shown:
     """Print the source of a function or class that a notebook teaches (without its docstring).
 
     The header names the file and line, so that the learner can open it; returns the text.
@@ -35,7 +42,7 @@ def show(obj, *, docstring: bool = False) -> str:
     if not docstring and inspect.getdoc(target):
         src = _without_docstring(src)
     where = path.relative_to(_PACKAGE.parent) if path.is_relative_to(_PACKAGE.parent) else path
-    text = f"# {where}, line {start}\n{src.rstrip()}"
+    text = Shown(f"# {where}, line {start}\n{src.rstrip()}")
     print(text)
     return text
 

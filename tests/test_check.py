@@ -225,5 +225,111 @@ def test_prediction_compares_and_never_raises(capsys):
     assert "you said 1.9x, measured 1.62x (17% off: close)" in capsys.readouterr().out
     far = check.prediction("speedup", 4, 1.62, unit="x", why="communication is not free")
     assert not far and "why: communication is not free" in capsys.readouterr().out
+    assert check.prediction("bytes", 20_000, 20_436)
+    assert "you said 20,000, measured 20,436 (2% off: close)" in capsys.readouterr().out
     assert check.prediction("speedup", ..., 1.62) is None
     assert "Write your prediction first" in capsys.readouterr().out
+
+
+# ---- notebook 01: the batched per-image flip and the fair train-validation gap -----------------
+
+def solved_01():
+    """The names that solutions/01_vgg16_data_augmentation.py's function blocks define."""
+    from torch.utils.data import DataLoader
+
+    from labkit import augment, data, exercises
+
+    names = {"torch": torch, "augment": augment, "data": data, "DataLoader": DataLoader}
+    blocks = exercises.solution_blocks("01_vgg16_data_augmentation")
+    for ex_id in ("per_image_flip", "fair_gap"):
+        exec(blocks[ex_id], names)
+    return names
+
+
+def test_per_image_flip_solution_passes(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    assert augmentation.per_image_flip(solved_01()["my_flip"])
+
+
+def _coins(batch, p, generator):
+    return (torch.rand(len(batch), generator=generator) < p).view(-1, 1, 1, 1)
+
+
+def _flip_in_place(batch, p, generator=None):
+    coins = _coins(batch, p, generator).flatten()
+    batch[coins] = batch[coins].flip(-1)
+    return batch
+
+
+@pytest.mark.parametrize("answer, said", [
+    (lambda b, p, generator=None: b.flip(-1) if torch.rand(1, generator=generator) < p else b,
+     "torch.rand(len(batch))"),
+    (lambda b, p, generator=None: torch.where(_coins(b, p, generator), b.flip(-2), b),
+     "an up-down flip"),
+    (lambda b, p, generator=None: torch.where(_coins(b, p, generator), b.flip(1), b),
+     "the last dimension"),
+    (lambda b, p, generator=None: torch.where(_coins(b, 1 - p, generator), b.flip(-1), b),
+     "p=0 flips none"),
+    (lambda b, p, generator=None: torch.where(_coins(b, p, None), b.flip(-1), b),
+     "the generator you are given"),
+    (_flip_in_place, "the caller still needs the original images"),
+    (lambda b, p, generator=None: b[0], "return the whole batch"),
+])
+def test_per_image_flip_wrong_answers_get_their_hint(tmp_path, monkeypatch, answer, said):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    verdict = augmentation.per_image_flip(answer)
+    assert not verdict and said in verdict.hint, verdict
+
+
+def test_fair_gap_solution_passes_on_a_model_that_memorised_its_images(tmp_path, monkeypatch):
+    from labkit import data
+    from labkit.train import evaluate
+
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    verdict = augmentation.fair_gap(solved_01()["my_gap"])
+    assert verdict and "train 1.00" in verdict.detail
+    train = data.shapes(30, image_size=16, seed=3, classes=["circle", "square", "cross"])
+    model = augmentation._memoriser(train, 16)
+    loader = torch.utils.data.DataLoader(data.to_torch(train, _plain(16)), batch_size=7)
+    assert evaluate(model, loader, torch.device("cpu"))[1] == 1.0  # what the detail says
+
+
+def _plain(size):
+    from labkit import augment
+
+    return augment.augmentation(size, kind="none")
+
+
+def _augmented(size):
+    from labkit import augment
+
+    return augment.augmentation(size)
+
+
+def _accuracy(model, images, size, *, eval_mode=True, transform=None, batch_size=256):
+    from labkit import data
+
+    model.eval() if eval_mode else model.train()
+    loader = torch.utils.data.DataLoader(data.to_torch(images, transform or _plain(size)),
+                                         batch_size=batch_size)
+    with torch.no_grad():
+        correct = sum((model(x).argmax(1) == y).sum().item() for x, y in loader)
+    return correct / len(images)
+
+
+def _gap(**how):
+    return lambda m, tr, va, s: _accuracy(m, tr, s, **how) - _accuracy(m, va, s, **how)
+
+
+@pytest.mark.parametrize("answer, said", [
+    (_gap(eval_mode=False), "call model.eval()"),
+    (lambda m, tr, va, s: _gap(transform=_augmented(s))(m, tr, va, s), "un-augmented images"),
+    (lambda m, tr, va, s: -_gap()(m, tr, va, s), "the sign"),
+    (lambda m, tr, va, s: 100 * _gap()(m, tr, va, s), "not percentages"),
+    (lambda m, tr, va, s: _accuracy(m, tr, s), "the train accuracy alone"),
+    (lambda m, tr, va, s: _accuracy(m, tr, s) - _accuracy(m, tr, s), "each on its own set"),
+])
+def test_fair_gap_wrong_measurements_get_their_hint(tmp_path, monkeypatch, answer, said):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    verdict = augmentation.fair_gap(answer)
+    assert not verdict and said in verdict.hint, verdict

@@ -12,6 +12,7 @@ def test_show_prints_the_source_without_the_docstring(capsys):
     assert "def frozen_base(" in text and "base_params = list(" in text
     assert "Exercise: the convolutional base frozen" not in text
     assert capsys.readouterr().out.strip() == text
+    assert text._ipython_display_() is None  # a cell ending in show(...) shows it once
     assert "Exercise: the convolutional base" in labkit.show(augmentation.frozen_base,
                                                             docstring=True)
 
