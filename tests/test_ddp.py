@@ -232,6 +232,15 @@ def test_measure_scaling_refuses_bad_arguments_before_launching(two_cores, monke
         ddp.measure_scaling([1, 2], **kwargs)
 
 
+def test_measure_scaling_beyond_the_machine_is_refused_before_launching(two_cores, monkeypatch,
+                                                                        capsys):
+    # Workers side by side, one per core or GPU: a sweep with no count that fits is an error.
+    monkeypatch.setattr("labkit.launcher.launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="no worker count left to measure: use at most 2"):
+        ddp.measure_scaling([4, 8])
+    assert "skipping 4, 8 workers: this machine has 2 CPU cores" in capsys.readouterr().out
+
+
 def test_scaling_rows_speedup_and_efficiency():
     times = {("weak", 1): [0.2, 0.1, 0.3], ("weak", 2): [0.25], ("strong", 1): [0.4],
              ("strong", 2): [0.25]}

@@ -1,0 +1,365 @@
+"""Notebook 02's exercises (PyTorch DDP): the training set-up, one accuracy over all ranks,
+gradient averaging by hand, and the linearly scaled learning rate with warm-up.
+
+The distributed ones run the learner's function on two real gloo ranks (warm workers) through
+:func:`labkit.check.on_ranks`: a module-level worker below calls it on each rank and returns
+plain data, and the grader compares the ranks with each other and with a one-process reference.
+Each grader returns what it verified, or raises :class:`labkit.check.NotYet` with a hint that
+names the likely mistake.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..check import NotYet, exercise, on_ranks
+
+NOTEBOOK = "02"
+
+
+def _flat(module):
+    """Every parameter of ``module`` in one CPU float64 vector (its gradients with ``grad``)."""
+    import torch
+
+    return torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])
+
+
+def _gap(a, b) -> float:
+    return float((a - b).abs().max())
+
+
+# ---- the DDP training set-up: model wrapped, data sharded, epoch set -------------------------
+
+
+class _Recorded:
+    """A map-style dataset that notes every index read: which samples a rank trained on."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, []
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        self.reads.append(int(i))
+        return self.x[i], self.y[i]
+
+
+def _train_on_rank(fn, epochs: int, batch_size: int, n: int) -> dict:
+    """Worker: the learner's ``fn(dataset, make_model, epochs, batch_size, lr)`` on this rank."""
+    import torch
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)  # the same dataset on every rank: fn must split it
+    data = _Recorded(torch.randn(n, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+
+    def make_model():
+        torch.manual_seed(0)  # the same initial weights everywhere, as a real script seeds them
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    model = fn(data, make_model, epochs, batch_size, 0.1)
+    module = getattr(model, "module", model)
+    trained = _flat(module) if isinstance(module, nn.Module) else None
+    return {"reads": data.reads, "params": trained, "initial": _flat(make_model()),
+            "returned": type(model).__name__}
+
+
+@exercise("ddp_training_loop", notebook=NOTEBOOK, title="the DDP training loop")
+def ddp_training_loop(fn, *, epochs: int = 2, batch_size: int = 4, n: int = 40) -> str:
+    """Exercise: ``fn(dataset, make_model, epochs, batch_size, lr)`` trains with DDP on each rank.
+
+    Run on 2 ranks: each epoch the ranks must read disjoint shards covering the dataset, epoch
+    2 in a new order, and end with equal replicas that moved from their initial weights.
+
+    Example::
+
+        >>> exercise.ddp_training_loop(my_ddp_training)
+        [pass] the DDP training loop: 2 ranks read disjoint shards of 40 samples ...
+    """
+    ranks = on_ranks(_train_on_rank, fn, epochs, batch_size, n)
+    shards = []  # shards[rank][epoch]: the indices in the order that rank read them
+    for rank, out in enumerate(ranks):
+        reads, per_epoch = out["reads"], len(out["reads"]) // epochs
+        if not reads or len(reads) % epochs:
+            raise NotYet(f"rank {rank} read {len(reads)} samples in {epochs} epochs",
+                         "loop over a DataLoader of the `dataset` argument in every epoch, with "
+                         "num_workers=0 (the default): the check records what each rank reads")
+        shards.append([reads[e * per_epoch:(e + 1) * per_epoch] for e in range(epochs)])
+    first, second = (set(s[0]) for s in shards)
+    if first == second:
+        raise NotYet(f"rank 1 read the same {len(first)} samples as rank 0 in epoch 1",
+                     "was a DistributedSampler used? DataLoader(dataset, batch_size, "
+                     "sampler=DistributedSampler(dataset)) gives each rank its own shard")
+    if first & second:
+        raise NotYet(f"ranks 0 and 1 both read {len(first & second)} of the same samples in "
+                     f"epoch 1", "the shards must not overlap: one DistributedSampler per rank "
+                     "with the same seed (the default) splits one permutation between them")
+    if len(first | second) < n:
+        raise NotYet(f"in epoch 1 the ranks read {len(first | second)} of the {n} samples",
+                     "DistributedSampler(dataset) covers the whole dataset between the ranks")
+    order = shards[0]
+    if order[1] == order[0]:
+        if order[0] == sorted(order[0]):
+            raise NotYet("rank 0 read its shard in index order, the same in both epochs",
+                         "let the sampler shuffle: DistributedSampler(dataset, shuffle=True) "
+                         "(its default), and call sampler.set_epoch(epoch) every epoch")
+        raise NotYet("epoch 2 repeated epoch 1's order on rank 0",
+                     "set_epoch? call sampler.set_epoch(epoch) at the top of each epoch: the "
+                     "sampler cannot know the epoch otherwise")
+    if ranks[0]["params"] is None:
+        raise NotYet(f"your function returned {ranks[0]['returned']}, not the model",
+                     "end with `return model` (the DDP-wrapped model)")
+    if _gap(ranks[0]["params"], ranks[1]["params"]) > 1e-6:
+        raise NotYet(f"the replicas differ after training (by up to "
+                     f"{_gap(ranks[0]['params'], ranks[1]['params']):.2g})",
+                     "replicas differ: was the model wrapped in DDP? model = DDP(make_model()), "
+                     "and the optimizer built on model.parameters()")
+    if _gap(ranks[0]["params"], ranks[0]["initial"]) == 0:
+        raise NotYet("the weights did not change during training",
+                     "build the optimizer on the DDP model's parameters, and call opt.step() "
+                     "after backward()")
+    return (f"2 ranks read disjoint shards of {n} samples each epoch, epoch 2 in a new order, "
+            f"and ended with equal replicas")
+
+
+# ---- the validation metric: counts all-reduced, not accuracies averaged ----------------------
+
+_N_VAL = 13  # odd: the two strided shards hold 7 and 6 samples
+_CORRECT = frozenset({0, 2, 4, 6, 8, 10, 1})  # 6 of 7 on shard 0, 1 of 6 on shard 1
+
+
+def _accuracy_on_rank(fn) -> dict:
+    """Worker: the learner's ``fn(model, dataset)`` on this rank; the samples the model saw."""
+    import torch
+    from torch import nn
+
+    class Scored(nn.Module):
+        """Returns logits fixed per sample (its last column is the sample's index), noting it."""
+
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.extend(x[:, -1].round().long().tolist())
+            return x[:, :-1]
+
+    y = torch.arange(_N_VAL) % 10
+    guess = torch.tensor([int(c) if i in _CORRECT else (int(c) + 1) % 10 for i, c in enumerate(y)])
+    logits = nn.functional.one_hot(guess, 10).float()
+    x = torch.cat([logits, torch.arange(_N_VAL).float()[:, None]], dim=1)
+    model = Scored()
+    result = fn(model, torch.utils.data.TensorDataset(x, y))
+    try:
+        acc = float(result)
+    except (TypeError, ValueError, RuntimeError):
+        acc = None
+    return {"acc": acc, "returned": repr(result)[:80], "seen": model.seen}
+
+
+@exercise("ddp_global_accuracy", notebook=NOTEBOOK, title="one accuracy for all ranks")
+def ddp_global_accuracy(fn) -> str:
+    """Exercise: ``fn(model, dataset)`` is the accuracy on the whole set, each rank its slice.
+
+    Run on 2 ranks with 13 validation samples (shards of 7 and 6, so averaging the two
+    accuracies is wrong); every rank must report the accuracy over all 13, each sample
+    evaluated once.
+
+    Example::
+
+        >>> exercise.ddp_global_accuracy(my_global_accuracy)
+        [pass] one accuracy for all ranks: both ranks report 7/13 = 0.5385 ...
+    """
+    ranks = on_ranks(_accuracy_on_rank, fn)
+    accs, seen = [r["acc"] for r in ranks], [r["seen"] for r in ranks]
+    if None in accs:
+        raise NotYet(f"your function returned {ranks[accs.index(None)]['returned']}",
+                     "return the accuracy as a number: correct / seen, e.g. counts[0] / counts[1]")
+    everything = set(range(_N_VAL))
+    if not all(seen):
+        raise NotYet(f"rank {[bool(s) for s in seen].index(False)} evaluated no sample",
+                     "every rank evaluates its own slice: Subset(dataset, range(rank, n, world))")
+    if all(set(s) >= everything for s in seen):
+        raise NotYet(f"every rank evaluated all {_N_VAL} samples: the work was not split",
+                     "evaluate only this rank's slice, Subset(dataset, range(rank, len(dataset), "
+                     "world)), then all_reduce the counts")
+    flat = [i for s in seen for i in s]
+    twice = sorted({i for i in flat if flat.count(i) > 1})
+    if twice:
+        raise NotYet(f"samples {twice} were evaluated more than once ({len(flat)} evaluations "
+                     f"for {_N_VAL} samples)", "a DistributedSampler pads the shards by "
+                     "repeating samples; slice with Subset(dataset, range(rank, n, world))")
+    if set(flat) != everything:
+        raise NotYet(f"samples {sorted(everything - set(flat))} were evaluated by no rank",
+                     "the slices range(rank, n, world) of all ranks together cover every sample")
+    share = [sum(i in _CORRECT for i in s) / len(s) for s in seen]  # each shard's own accuracy
+    truth = len(_CORRECT) / _N_VAL
+    if not math.isclose(accs[0], accs[1], abs_tol=1e-6):
+        raise NotYet(f"rank 0 reported {accs[0]:.4f}, rank 1 {accs[1]:.4f}: each its own shard",
+                     "all_reduce the counts (correct, seen) with SUM before dividing, so every "
+                     "rank reports the whole validation set")
+    acc = accs[0]
+    if math.isclose(acc, truth, abs_tol=1e-6):
+        return f"both ranks report {len(_CORRECT)}/{_N_VAL} = {truth:.4f}, each sample once"
+    if math.isclose(acc, sum(share) / 2, abs_tol=1e-6):
+        raise NotYet(f"{acc:.4f} is the mean of the shards' accuracies {share[0]:.3f} and "
+                     f"{share[1]:.3f}, not the accuracy over all {_N_VAL} ({truth:.4f})",
+                     f"the shards hold {len(seen[0])} and {len(seen[1])} samples: sum the "
+                     f"counts (correct, seen) with all_reduce, then divide")
+    if math.isclose(acc, share[0], abs_tol=1e-6):
+        raise NotYet(f"{acc:.4f} is rank 0's share only, reported on every rank",
+                     "all_reduce (SUM) the counts of every rank, then divide correct by seen")
+    if math.isclose(acc, sum(share), abs_tol=1e-6) or acc > 1:
+        raise NotYet(f"{acc:.4f}: the accuracies were summed", "sum the counts (correct, seen), "
+                     "not the accuracies, then divide correct by seen")
+    raise NotYet(f"both ranks report {acc:.4f}; over all {_N_VAL} samples it is {truth:.4f}",
+                 "accuracy = (correct summed over ranks) / (seen summed over ranks)")
+
+
+# ---- gradient averaging: what DDP does after backward ----------------------------------------
+
+
+def _grads_on_rank(fn) -> dict:
+    """Worker: one backward on this rank's half of a batch, then the learner's ``fn(model)``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * world, 6, generator=gen)
+    y = torch.randint(0, 3, (4 * world,), generator=gen)
+
+    def model_and_grads(xs, ys):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        nn.functional.cross_entropy(model(xs), ys).backward()
+        return model
+
+    reference = _flat_grads(model_and_grads(x, y))  # one process, the whole batch
+    model = model_and_grads(x[rank::world], y[rank::world])  # this rank's share
+    local = _flat_grads(model)
+    fn(model)
+    grads = [p.grad for p in model.parameters()]
+    after = None if any(g is None for g in grads) else _flat_grads(model)
+    return {"reference": reference, "local": local, "after": after,
+            "sizes": [p.numel() for p in model.parameters()],
+            "names": [name for name, _ in model.named_parameters()]}
+
+
+def _parts(out: dict):
+    """``(name, slice)`` of each parameter in the flat vectors of :func:`_grads_on_rank`."""
+    start = 0
+    for name, size in zip(out["names"], out["sizes"], strict=True):
+        yield name, slice(start, start + size)
+        start += size
+
+
+def _flat_grads(model):
+    import torch
+
+    return torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in model.parameters()])
+
+
+@exercise("average_gradients", notebook=NOTEBOOK, title="average the gradients by hand")
+def average_gradients(fn) -> str:
+    """Exercise: ``fn(model)`` makes every ``p.grad`` the mean over the ranks, as DDP does.
+
+    Run on 2 ranks, each after a backward pass on its half of one batch: afterwards every
+    rank's gradients must equal one process's gradient over the whole batch.
+
+    Example::
+
+        >>> exercise.average_gradients(my_average_gradients)
+        [pass] average the gradients by hand: both ranks hold the whole batch's gradient ...
+    """
+    ranks = on_ranks(_grads_on_rank, fn)
+    world, first = len(ranks), ranks[0]
+    if any(r["after"] is None for r in ranks):
+        raise NotYet("a parameter had no .grad after your function",
+                     "average p.grad in place (dist.all_reduce(p.grad), then divide); do not "
+                     "set it to None")
+    differ = [name for name, part in _parts(first)
+              if _gap(ranks[0]["after"][part], ranks[1]["after"][part]) > 1e-6]
+    if differ:
+        kept = all(_gap(r["after"], r["local"]) < 1e-9 for r in ranks)
+        raise NotYet("the ranks hold different gradients afterwards: " +
+                     ("each kept its own" if kept else f"parameters {differ} were not reduced"),
+                     "call dist.all_reduce(p.grad) for every parameter (for p in "
+                     "model.parameters()), on every rank, in the same order")
+    after, ref = first["after"], first["reference"]
+    if _gap(after, ref) < 1e-6:
+        return (f"both ranks hold the whole batch's gradient ({len(first['sizes'])} parameters, "
+                f"{world} ranks), as one process computes it")
+    if _gap(after, world * ref) < 1e-6:
+        raise NotYet(f"the gradients are {world}x the whole batch's gradient",
+                     "all_reduce sums: divide by dist.get_world_size() to average")
+    for name, part in _parts(first):
+        if _gap(after[part], ref[part]) >= 1e-6:
+            raise NotYet(f"parameter {name!r} was not averaged",
+                         "every parameter: dist.all_reduce(p.grad), then p.grad /= world size")
+    raise NotYet("the gradients are not the whole batch's mean gradient",
+                 "for each parameter: dist.all_reduce(p.grad); p.grad /= world size")
+
+
+# ---- the large-batch learning rate: linear scaling with warm-up -----------------------------
+
+_LR_CASES = [  # (global_batch, base_lr, base_batch, warmup_steps)
+    (16, 0.01, 16, 0), (128, 0.01, 16, 10), (512, 0.1, 32, 20), (64, 0.05, 16, 4)]
+
+
+def _expected_lr(step, global_batch, base_lr, base_batch, warmup_steps) -> float:
+    target = base_lr * global_batch / base_batch
+    return target if warmup_steps == 0 else target * min(1.0, (step + 1) / warmup_steps)
+
+
+@exercise("scaled_lr_warmup", notebook=NOTEBOOK, title="linear scaling with warm-up")
+def scaled_lr_warmup(fn) -> str:
+    """Exercise: ``fn(step, global_batch, *, base_lr, base_batch, warmup_steps)``, the rate.
+
+    ``base_lr * global_batch / base_batch``, ramped linearly over the first ``warmup_steps``
+    steps: ``target * min(1, (step + 1) / warmup_steps)`` (``warmup_steps=0``: no ramp).
+
+    Example::
+
+        >>> exercise.scaled_lr_warmup(my_lr)
+        [pass] linear scaling with warm-up: 4 schedules, 100 steps each, ...
+    """
+    for batch, base_lr, base_batch, warmup in _LR_CASES:
+        def lr(step, batch=batch, base_lr=base_lr, base_batch=base_batch, warmup=warmup):
+            return float(fn(step, batch, base_lr=base_lr, base_batch=base_batch,
+                            warmup_steps=warmup))
+
+        try:
+            late = lr(99)
+        except ZeroDivisionError:
+            raise NotYet("warmup_steps=0 raised ZeroDivisionError", "no warm-up "
+                         "(warmup_steps=0) means the full scaled rate from step 0") from None
+        k, target = batch / base_batch, base_lr * batch / base_batch
+        where = (f"at global batch {batch} ({k:g}x the base batch {base_batch}), after the "
+                 f"warm-up")
+        if not math.isclose(late, target, rel_tol=1e-6):
+            if math.isclose(late, base_lr, rel_tol=1e-6):
+                raise NotYet(f"{where} the rate is base_lr = {late:g}: not scaled by N",
+                             f"N workers make the global batch N times larger: multiply base_lr "
+                             f"by global_batch / base_batch ({k:g}x here)")
+            if math.isclose(late, base_lr * math.sqrt(k), rel_tol=1e-6):
+                raise NotYet(f"{where} the rate is {late:g}, base_lr x sqrt({k:g})",
+                             "the linear rule multiplies by k = global_batch / base_batch itself")
+            raise NotYet(f"{where} the rate is {late:g}, expected {target:g}",
+                         "after the warm-up: base_lr * global_batch / base_batch")
+        if warmup and math.isclose(lr(0), target, rel_tol=1e-6):
+            raise NotYet(f"step 0 already has the full rate {target:g} (warmup_steps={warmup})",
+                         "no warm-up: ramp linearly, target * min(1, (step + 1) / warmup_steps)")
+        for step in range(100):
+            want = _expected_lr(step, batch, base_lr, base_batch, warmup)
+            got = lr(step)
+            if not math.isclose(got, want, rel_tol=1e-6):
+                hint = ("off by one: step 0 already trains, with target / warmup_steps, and "
+                        "step warmup_steps - 1 reaches the target" if warmup and
+                        math.isclose(got, target * step / warmup, rel_tol=1e-6)
+                        else "target * min(1, (step + 1) / warmup_steps)")
+                raise NotYet(f"step {step} (warmup_steps={warmup}, global batch {batch}): "
+                             f"{got:g}, expected {want:g}", hint)
+    return (f"{len(_LR_CASES)} schedules, 100 steps each: scaled by global_batch / base_batch, "
+            f"ramped over warmup_steps")

@@ -1,0 +1,294 @@
+"""Notebook 02's graders: the reference solutions pass, known wrong answers get their hint.
+
+The distributed graders run on two warm gloo ranks shared by every test here, so each check
+after the first costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from labkit import exercises
+from labkit.exercises import data_parallel as exercise
+
+# The wrong answers below travel to the ranks by value, as a notebook's functions do.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+NOTEBOOK_GLOBALS = {"torch": torch, "nn": nn, "dist": dist, "DDP": DDP, "DataLoader": DataLoader,
+                    "DistributedSampler": DistributedSampler, "Subset": Subset, "SEED": 0,
+                    "__name__": "__notebook__"}
+
+
+def solution(ex_id: str, name: str):
+    """The function a solution block defines, run as the notebook runs it."""
+    namespace = dict(NOTEBOOK_GLOBALS)
+    exec(exercises.solution_blocks("02_data_parallelism")[ex_id], namespace)
+    return namespace[name]
+
+
+# ---- ddp_training_loop ------------------------------------------------------------------------
+
+def training(*, wrap=True, sampler="distributed", set_epoch=True, step=True):
+    """A DDP training function with one of the usual mistakes switched on."""
+
+    def train(dataset, make_model, epochs, batch_size, lr):
+        model = DDP(make_model()) if wrap else make_model()
+        if sampler == "distributed":
+            shards = DistributedSampler(dataset, seed=0)
+        elif sampler == "ordered":
+            shards = DistributedSampler(dataset, shuffle=False)
+        elif sampler == "seed per rank":
+            shards = DistributedSampler(dataset, seed=dist.get_rank())
+        else:
+            shards = None
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=shards,
+                            shuffle=shards is None)
+        opt = torch.optim.SGD(model.parameters() if step else [nn.Parameter(torch.zeros(1))],
+                              lr=lr)
+        for epoch in range(epochs):
+            if set_epoch and shards is not None:
+                shards.set_epoch(epoch)
+            for x, y in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return model
+
+    return train
+
+
+def test_ddp_training_loop_solution_passes():
+    verdict = exercise.ddp_training_loop(solution("ddp_training_loop", "my_ddp_training"))
+    assert verdict, verdict
+    assert "disjoint shards" in verdict.detail and "equal replicas" in verdict.detail
+    assert exercise.ddp_training_loop(training())  # the same, written another way
+
+
+def test_ddp_training_loop_wrong_no_sampler():
+    verdict = exercise.ddp_training_loop(training(sampler=None))
+    assert not verdict and "same 40 samples as rank 0" in verdict.detail
+    assert "was a DistributedSampler used?" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_no_set_epoch():
+    verdict = exercise.ddp_training_loop(training(set_epoch=False))
+    assert not verdict and "epoch 2 repeated epoch 1's order" in verdict.detail
+    assert "set_epoch" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_sampler_without_shuffle():
+    verdict = exercise.ddp_training_loop(training(sampler="ordered"))
+    assert not verdict and "index order" in verdict.detail and "shuffle=True" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_seed_per_rank():
+    verdict = exercise.ddp_training_loop(training(sampler="seed per rank"))
+    assert not verdict and "of the same samples" in verdict.detail
+    assert "same seed" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_not_wrapped_in_ddp():
+    verdict = exercise.ddp_training_loop(training(wrap=False))
+    assert not verdict and "replicas differ" in verdict.detail
+    assert "was the model wrapped in DDP?" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_optimizer_steps_nothing():
+    verdict = exercise.ddp_training_loop(training(step=False))
+    assert not verdict and "did not change" in verdict.detail and "opt.step()" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_returns_nothing():
+    def no_return(dataset, make_model, epochs, batch_size, lr):
+        training()(dataset, make_model, epochs, batch_size, lr)
+
+    verdict = exercise.ddp_training_loop(no_return)
+    assert not verdict and "returned NoneType" in verdict.detail
+    assert "return model" in verdict.hint
+
+
+# ---- ddp_global_accuracy ----------------------------------------------------------------------
+
+def accuracy(*, reduce="counts", split="strided"):
+    """A distributed accuracy with one of the usual mistakes."""
+
+    def acc(model, dataset):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if split == "strided":
+            part = Subset(dataset, range(rank, len(dataset), world))
+        elif split == "padded":
+            part = Subset(dataset, list(DistributedSampler(dataset, shuffle=False)))
+        else:
+            part = dataset
+        counts = torch.zeros(2)
+        with torch.no_grad():
+            for x, y in DataLoader(part, batch_size=4):
+                counts += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
+        local = counts[0] / counts[1]
+        if reduce == "counts":
+            dist.all_reduce(counts)
+            return (counts[0] / counts[1]).item()
+        if reduce == "mean of accuracies":
+            dist.all_reduce(local)
+            return (local / world).item()
+        if reduce == "sum of accuracies":
+            dist.all_reduce(local)
+            return local.item()
+        if reduce == "rank 0":
+            dist.broadcast(local, src=0)
+            return local.item()
+        return local.item()  # no reduction at all
+
+    return acc
+
+
+def test_ddp_global_accuracy_solution_passes():
+    verdict = exercise.ddp_global_accuracy(solution("ddp_global_accuracy", "my_global_accuracy"))
+    assert verdict and "7/13" in verdict.detail
+
+
+def test_ddp_global_accuracy_wrong_averaged_accuracies():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce="mean of accuracies"))
+    assert not verdict and "mean of the shards' accuracies" in verdict.detail
+    assert "7 and 6 samples" in verdict.hint and "sum the counts" in verdict.hint
+
+
+def test_ddp_global_accuracy_wrong_rank0_share():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce="rank 0"))
+    assert not verdict and "rank 0's share only" in verdict.detail
+
+
+def test_ddp_global_accuracy_wrong_no_all_reduce():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce=None))
+    assert not verdict and "each its own shard" in verdict.detail
+    assert "all_reduce the counts" in verdict.hint
+
+
+def test_ddp_global_accuracy_wrong_summed_accuracies():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce="sum of accuracies"))
+    assert not verdict and "summed" in verdict.detail
+
+
+def test_ddp_global_accuracy_wrong_padded_sampler():
+    verdict = exercise.ddp_global_accuracy(accuracy(split="padded"))
+    assert not verdict and "evaluated more than once" in verdict.detail
+    assert "pads" in verdict.hint
+
+
+def test_ddp_global_accuracy_wrong_not_split():
+    verdict = exercise.ddp_global_accuracy(accuracy(split=None))
+    assert not verdict and "the work was not split" in verdict.detail
+
+
+# ---- average_gradients ------------------------------------------------------------------------
+
+def test_average_gradients_solution_passes():
+    verdict = exercise.average_gradients(solution("average_gradients", "my_average_gradients"))
+    assert verdict and "whole batch's gradient" in verdict.detail
+
+
+def test_average_gradients_wrong_sum_not_mean():
+    def summed(model):
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    verdict = exercise.average_gradients(summed)
+    assert not verdict and "2x the whole batch's gradient" in verdict.detail
+    assert "divide by dist.get_world_size()" in verdict.hint
+
+
+def test_average_gradients_wrong_no_all_reduce():
+    def local_only(model):
+        for p in model.parameters():
+            p.grad /= dist.get_world_size()
+
+    verdict = exercise.average_gradients(local_only)
+    assert not verdict and "different gradients" in verdict.detail
+    assert "dist.all_reduce(p.grad)" in verdict.hint
+
+
+def test_average_gradients_wrong_one_parameter_left_out():
+    def all_but_last(model):
+        for p in list(model.parameters())[:-1]:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+    verdict = exercise.average_gradients(all_but_last)
+    assert not verdict and "parameters ['2.bias'] were not reduced" in verdict.detail
+
+
+def test_average_gradients_wrong_grads_set_to_none():
+    def dropped(model):
+        for p in model.parameters():
+            p.grad = None
+
+    verdict = exercise.average_gradients(dropped)
+    assert not verdict and "no .grad" in verdict.detail
+
+
+# ---- scaled_lr_warmup -------------------------------------------------------------------------
+
+def test_scaled_lr_warmup_solution_passes():
+    verdict = exercise.scaled_lr_warmup(solution("scaled_lr_warmup", "my_lr"))
+    assert verdict and "4 schedules" in verdict.detail
+
+
+def test_scaled_lr_warmup_wrong_not_scaled():
+    def unscaled(step, global_batch, *, base_lr, base_batch, warmup_steps):
+        return base_lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else base_lr
+
+    verdict = exercise.scaled_lr_warmup(unscaled)
+    assert not verdict and "not scaled by N" in verdict.detail
+    assert "global_batch / base_batch" in verdict.hint
+
+
+def test_scaled_lr_warmup_wrong_sqrt_scaling():
+    def sqrt_rule(step, global_batch, *, base_lr, base_batch, warmup_steps):
+        target = base_lr * (global_batch / base_batch) ** 0.5
+        return target * min(1.0, (step + 1) / warmup_steps) if warmup_steps else target
+
+    verdict = exercise.scaled_lr_warmup(sqrt_rule)
+    assert not verdict and "sqrt" in verdict.detail
+
+
+def test_scaled_lr_warmup_wrong_no_warmup():
+    def no_ramp(step, global_batch, *, base_lr, base_batch, warmup_steps):
+        return base_lr * global_batch / base_batch
+
+    verdict = exercise.scaled_lr_warmup(no_ramp)
+    assert not verdict and "full rate" in verdict.detail and "no warm-up" in verdict.hint
+
+
+def test_scaled_lr_warmup_wrong_off_by_one():
+    def from_zero(step, global_batch, *, base_lr, base_batch, warmup_steps):
+        target = base_lr * global_batch / base_batch
+        return target * min(1.0, step / warmup_steps) if warmup_steps else target
+
+    verdict = exercise.scaled_lr_warmup(from_zero)
+    assert not verdict and "step 0" in verdict.detail and "off by one" in verdict.hint
+
+
+def test_scaled_lr_warmup_wrong_divides_by_zero_without_warmup():
+    def always_ramps(step, global_batch, *, base_lr, base_batch, warmup_steps):
+        return base_lr * global_batch / base_batch * min(1.0, (step + 1) / warmup_steps)
+
+    verdict = exercise.scaled_lr_warmup(always_ramps)
+    assert not verdict and "ZeroDivisionError" in verdict.detail
+
+
+@pytest.mark.parametrize("ex_id", ["ddp_training_loop", "ddp_global_accuracy",
+                                   "average_gradients", "scaled_lr_warmup"])
+def test_the_untouched_cell_is_not_written_yet(ex_id):
+    def untouched(*args, **kwargs):
+        raise NotImplementedError("your code here")
+
+    verdict = getattr(exercise, ex_id)(untouched)
+    assert not verdict and "not written yet" in verdict.detail
