@@ -386,8 +386,8 @@ def prediction(what: str, predicted, measured: float, *, rel: float = 0.25, unit
     """
     measured = float(measured)
     if predicted is Ellipsis or predicted is None:
-        print(f"[prediction] {what}: measured {_figure(measured)}{unit}. Write your prediction first "
-              f"next time (the `...` in the cell above), then run the measurement")
+        print(f"[prediction] {what}: measured {_figure(measured)}{unit}. Write your prediction "
+              f"first next time (the `...` in the cell above), then run the measurement")
         return None
     predicted = float(predicted)
     off = abs(predicted - measured) / max(abs(measured), 1e-12)
