@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-__all__ = ["MODES", "parameter_server", "worker_batches", "accuracy"]
+__all__ = ["MODES", "parameter_server", "serve_sync", "serve_async", "worker_batches",
+           "accuracy"]
 
 MODES = ("sync", "async")
 
@@ -78,7 +79,7 @@ def accuracy(model, weights, x, y) -> float:
         return (model(x).argmax(1) == y).float().mean().item()
 
 
-def _serve_sync(weights, workers, steps, lr) -> dict:
+def serve_sync(weights, workers, steps, lr) -> dict:
     """Each step: send the weights to every worker, wait for every gradient, average, step."""
     grads = [torch.empty_like(weights) for _ in workers]
     for _ in range(steps):
@@ -92,7 +93,7 @@ def _serve_sync(weights, workers, steps, lr) -> dict:
             "pushed_by": [w for _ in range(steps) for w in workers]}
 
 
-def _serve_async(weights, workers, steps, lr) -> dict:
+def serve_async(weights, workers, steps, lr) -> dict:
     """Apply each gradient as it arrives; send the new weights back to whoever sent it."""
     version, staleness, pushed_by = 0, [], []
     left = dict.fromkeys(workers, steps)  # gradients still to come from each worker
@@ -173,7 +174,7 @@ def parameter_server(make_model, train, val, *, mode: str = "sync", steps: int =
         losses = _work(model, weights.numel(), *train, batches, mode,
                        (slow or {}).get(rank, 0.0))
         return {"rank": rank, "losses": losses, "seconds": time.perf_counter() - start}
-    serve = _serve_sync if mode == "sync" else _serve_async
+    serve = serve_sync if mode == "sync" else serve_async
     out = serve(weights, workers, steps, lr)
     seconds = time.perf_counter() - start
     return {"rank": 0, "mode": mode, "updates": out["updates"], "staleness": out["staleness"],

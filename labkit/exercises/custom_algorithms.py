@@ -1,0 +1,284 @@
+"""Notebook 06's exercises: the ring all-reduce's two halves, and top-k with error feedback.
+
+The two ring halves run on real gloo ranks (2, then 4: on 2 ranks ``r + s`` and ``r - s`` are
+the same chunk, so some index mistakes only show on more). Their inputs are *tagged*: rank r's
+entry at position i is ``(i + 1) * 8**r``, so a finished sum's base-8 digits say how many times
+each rank's entry went into it, and a wrong answer is diagnosed, not just refused.
+"""
+
+from __future__ import annotations
+
+from ..check import NotYet, exercise, on_ranks
+
+NOTEBOOK = "06"
+WORLDS = (2, 4)  # ranks the ring halves are graded on
+TIMEOUT = 20.0  # seconds: a ring of a few small chunks takes milliseconds; longer is a deadlock
+BASE = 8  # rank r's entries are multiples of BASE**r: a sum's digits count each rank's share
+STALE = -10000.0  # the all-gather's unfinished chunks on rank r: STALE * (r + 1)
+
+_RS_INDEX = ("chunk indices off by one step: at step s rank r sends chunk (r - s) mod n to rank "
+             "r + 1 and adds the chunk arriving from rank r - 1 into its chunk (r - s - 1) mod "
+             "n; after n - 1 steps chunk (r + 1) mod n holds every rank's contribution")
+_AG_INDEX = ("at step s rank r sends chunk (r + 1 - s) mod n (the one it finished, then the one "
+             "it just received) to rank r + 1, and receives chunk (r - s) mod n from rank r - 1 "
+             "into its place")
+_DEADLOCK = ("deadlock: both ranks used blocking send first (dist.send waits for its receiver, "
+             "which is itself sending): start both, dist.isend(...) and dist.irecv(...), then "
+             "wait() on both (a send's wait() before the receive is posted deadlocks as well)")
+_IN_PLACE = ("work in place (`chunk += buf`, or receive straight into the chunk): the chunks are "
+             "views into the tensor being all-reduced; `chunks[j] = chunks[j] + buf` makes a new "
+             "tensor and leaves that one unchanged")
+
+
+def _chunks_of(x, world: int):
+    """The ring's chunks: views into ``x``, sizes one apart where ``world`` does not divide it."""
+    return list(x.view(-1).tensor_split(world))
+
+
+def _reduce_scatter_worker(fn, numels) -> list[dict]:
+    """Each rank: ``fn(chunks, rank, world)`` on a tagged tensor of each size; x, chunks after."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for numel in numels:
+        x = torch.arange(1, numel + 1, dtype=torch.float32) * BASE ** rank
+        chunks = _chunks_of(x, world)
+        fn(chunks, rank, world)
+        out.append({"x": x.clone(), "chunks": [c.clone() for c in chunks]})
+    return out
+
+
+def _all_gather_worker(fn, numels) -> list[dict]:
+    """On each rank: only chunk (rank + 1) % world finished (position + 1), the rest stale."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for numel in numels:
+        x = torch.full((numel,), STALE * (rank + 1))
+        chunks = _chunks_of(x, world)
+        own = (rank + 1) % world
+        start = sum(c.numel() for c in chunks[:own])
+        chunks[own].copy_(torch.arange(start + 1, start + 1 + chunks[own].numel()))
+        fn(chunks, rank, world)
+        out.append({"x": x.clone(), "chunks": [c.clone() for c in chunks]})
+    return out
+
+
+def _on_ranks(worker, fn, world: int, numels, index_hint: str) -> list:
+    """``on_ranks`` on ``world`` ranks, a hang or a size mismatch named for what it is here."""
+    try:
+        return on_ranks(worker, fn, numels, nproc=world, timeout=TIMEOUT)
+    except NotYet as wrong:
+        hint = wrong.hint
+        if "still running" in wrong.detail:
+            hint = _DEADLOCK
+        elif "size doesn't match" in wrong.detail or "SIGABRT" in wrong.detail:
+            # What gloo does when a message is larger than its receive buffer: abort the rank.
+            hint = ("a chunk arrived into a buffer of another size (gloo aborted): the chunk "
+                    "rank r + 1 receives into at a step must be the one rank r sends; "
+                    + index_hint)
+        raise NotYet(f"on {world} ranks: {wrong.detail}", hint) from None
+
+
+def _shares(chunk, start: int, world: int) -> list[int] | None:
+    """How many times each rank's entry is in ``chunk`` (at ``start`` in x); None if mixed up."""
+    import torch
+
+    position = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.float64)
+    total = chunk.double() / position
+    if chunk.numel() == 0 or not torch.all(total == total[0]) or total[0] != total[0].round():
+        return None  # entries from other positions: a chunk landed in the wrong place
+    value, shares = int(total[0].item()), []
+    for _ in range(world):
+        value, digit = divmod(value, BASE)
+        shares.append(digit)
+    return shares if value == 0 else None
+
+
+def _starts(chunks) -> list[int]:
+    starts, at = [], 0
+    for c in chunks:
+        starts.append(at)
+        at += c.numel()
+    return starts
+
+
+def _diagnose_reduce_scatter(rank: int, world: int, numel: int, got: dict) -> None:
+    """Raise NotYet if ``rank``'s chunk (rank + 1) % world is not the full sum, saying why."""
+    import torch
+
+    chunks, n, mine = got["chunks"], world, (rank + 1) % world
+    where = f"on {world} ranks (numel {numel}), rank {rank}"
+    if not torch.equal(torch.cat(chunks), got["x"]):
+        raise NotYet(f"{where}: the chunks no longer view the tensor", _IN_PLACE)
+    starts = _starts(chunks)
+    shares = _shares(chunks[mine], starts[mine], n)
+    if shares == [1] * n or chunks[mine].numel() == 0:
+        return
+    if shares is None:
+        raise NotYet(f"{where}: chunk {mine} holds entries from other positions",
+                     "receive each chunk into a buffer of that chunk's size and add it to that "
+                     "same chunk (chunk sizes differ by one when n does not divide the numel); "
+                     + _RS_INDEX)
+    said = f"{where}: chunk {mine} holds each rank's entry {shares} times (want {[1] * n})"
+    if shares[rank] == 0:
+        raise NotYet(said, "rank r's own chunk not added: receive into a separate buffer and add "
+                           "it (chunk += buf); receiving straight into the chunk overwrites "
+                           "rank r's own contribution")
+    if max(shares) > 1:
+        raise NotYet(said, "a contribution was added twice: the ring takes n - 1 steps (not n), "
+                           "and each step adds the arriving chunk once")
+    done = [j for j in range(n) if _shares(chunks[j], starts[j], n) == [1] * n]
+    also = f"; your ring completed chunk {done[0]} instead" if done else ""
+    raise NotYet(said + also, _RS_INDEX)
+
+
+@exercise("ring_reduce_scatter", notebook=NOTEBOOK, title="ring reduce-scatter from isend/irecv")
+def ring_reduce_scatter(fn, worlds=WORLDS) -> str:
+    """Exercise: ``fn(chunks, rank, world)`` leaves chunk (rank + 1) % world summed over all ranks.
+
+    Run on real gloo ranks (``worlds``: 2, then 4) with tensors of 1, 2n + 1 and 4n entries
+    (empty chunks, chunks of unequal sizes, equal ones); compared exactly with the sum.
+
+    Example::
+
+        >>> exercise.ring_reduce_scatter(my_reduce_scatter)
+        [pass] ring reduce-scatter from isend/irecv: on 2 and 4 ranks, ...
+    """
+    for world in worlds:
+        numels = (1, 2 * world + 1, 4 * world)  # chunks of 0 or 1 entries, unequal, equal
+        results = _on_ranks(_reduce_scatter_worker, fn, world, numels, _RS_INDEX)
+        for rank, per_rank in enumerate(results):
+            for numel, got in zip(numels, per_rank, strict=True):
+                _diagnose_reduce_scatter(rank, world, numel, got)
+    return (f"on {' and '.join(map(str, worlds))} ranks, chunk (r + 1) mod n of every rank r "
+            f"holds every rank's contribution exactly once, in place")
+
+
+def _diagnose_all_gather(rank: int, world: int, numel: int, got: dict) -> None:
+    """Raise NotYet unless every chunk on ``rank`` holds the finished values (position + 1)."""
+    import torch
+
+    chunks, where = got["chunks"], f"on {world} ranks (numel {numel}), rank {rank}"
+    if not torch.equal(torch.cat(chunks), got["x"]):
+        raise NotYet(f"{where}: the chunks no longer view the tensor", _IN_PLACE)
+    done = torch.arange(1, numel + 1, dtype=torch.float32).tensor_split(world)
+    stale = {STALE * (r + 1) for r in range(world)}
+    for j, (chunk, want) in enumerate(zip(chunks, done, strict=True)):
+        if torch.equal(chunk, want):
+            continue
+        if set((chunk - want).tolist()) <= stale:
+            raise NotYet(f"{where}: chunk {j} is the finished chunk plus a stale partial sum",
+                         "added instead of copied: an arriving chunk is already the full sum; "
+                         "receive it straight into its place (or copy_ it), do not add it")
+        if set(chunk.tolist()) <= stale:
+            raise NotYet(f"{where}: chunk {j} never arrived finished (it still holds a partial "
+                         f"sum)", _AG_INDEX)
+        raise NotYet(f"{where}: chunk {j} holds other chunks' entries", _AG_INDEX)
+
+
+@exercise("ring_all_gather", notebook=NOTEBOOK, title="ring all-gather from isend/irecv")
+def ring_all_gather(fn, worlds=WORLDS) -> str:
+    """Exercise: ``fn(chunks, rank, world)`` spreads each rank's finished chunk to every rank.
+
+    On entry rank r holds chunk (r + 1) % world finished (what the reduce-scatter leaves) and
+    stale partial sums elsewhere; afterwards every chunk of every rank must be the finished one.
+
+    Example::
+
+        >>> exercise.ring_all_gather(my_all_gather)
+        [pass] ring all-gather from isend/irecv: on 2 and 4 ranks, every rank ends with ...
+    """
+    for world in worlds:
+        numels = (1, 2 * world + 1, 4 * world)  # chunks of 0 or 1 entries, unequal, equal
+        results = _on_ranks(_all_gather_worker, fn, world, numels, _AG_INDEX)
+        for rank, per_rank in enumerate(results):
+            for numel, got in zip(numels, per_rank, strict=True):
+                _diagnose_all_gather(rank, world, numel, got)
+    return (f"on {' and '.join(map(str, worlds))} ranks, every rank ends with every finished "
+            f"chunk, copied in place")
+
+
+_LOST = ("residual not carried: the dropped mass is lost. Add the residual first (full = grad + "
+         "residual), send the top k of full, and keep everything of full not sent as the new "
+         "residual")
+
+
+def _check_step(fn, grad, residual, k: int):
+    """One call of the learner's ``fn``, checked against top-k with error feedback; its residual."""
+    import torch
+
+    full = grad + residual
+    out = fn(grad.clone(), residual.clone(), k)
+    if not (isinstance(out, tuple | list) and len(out) == 3):
+        raise NotYet(f"it returned {type(out).__name__}, not (values, indices, new_residual)",
+                     "end with `return values, indices, new_residual`")
+    values, indices, left = out
+    if not torch.is_floating_point(torch.as_tensor(values)) and torch.is_floating_point(
+            torch.as_tensor(indices)):
+        raise NotYet("the first item holds integers, the second floats",
+                     "return (values, indices, new_residual), in that order")
+    values, indices = torch.as_tensor(values), torch.as_tensor(indices).long()
+    said = f"with k = {k} on {grad.numel()} entries"
+    if indices.numel() != k:
+        raise NotYet(f"{said} it sent {indices.numel()} entries",
+                     "send exactly k entries: full.abs().topk(k).indices")
+    picked = set(indices.tolist())
+    if picked != set(full.abs().topk(k).indices.tolist()):
+        if picked == set(grad.abs().topk(k).indices.tolist()):
+            raise NotYet(f"{said} it picked the top k of grad, not of grad + residual", _LOST)
+        if picked == set(full.topk(k).indices.tolist()):
+            raise NotYet(f"{said} it picked the k largest values, not magnitudes",
+                         "rank by magnitude, full.abs().topk(k): a large negative entry matters "
+                         "as much as a large positive one")
+        raise NotYet(f"{said} it picked indices {sorted(picked)}, not the k largest "
+                     f"|grad + residual|", "pick full.abs().topk(k).indices")
+    if not torch.allclose(values.float(), full[indices]):
+        hint = _LOST if torch.allclose(values.float(), grad[indices]) else (
+            "send values = full[indices]: the entries of grad + residual at those indices")
+        raise NotYet(f"{said} the values sent are not (grad + residual)[indices]", hint)
+    want = full.clone()
+    want[indices] = 0
+    if left is None or not torch.as_tensor(left).any():
+        raise NotYet(f"{said} the new residual is empty: what was not sent is dropped", _LOST)
+    left = torch.as_tensor(left).float()
+    if torch.allclose(left, full):
+        raise NotYet(f"{said} the sent entries are still in the new residual",
+                     "zero the sent entries in the new residual: otherwise they are sent again "
+                     "next step, applied twice")
+    if not torch.allclose(left, want):
+        raise NotYet(f"{said} sent + new residual is not grad + residual", _LOST)
+    return values.float(), indices, left
+
+
+@exercise("topk_error_feedback", notebook=NOTEBOOK, title="top-k with error feedback")
+def topk_error_feedback(fn, steps: int = 12) -> str:
+    """Exercise: ``fn(grad, residual, k) -> (values, indices, new_residual)``, nothing lost.
+
+    One hand-made case where the residual changes the top k, then ``steps`` steps on random
+    gradients carrying the learner's own residual; sent + final residual = the gradients' sum.
+
+    Example::
+
+        >>> exercise.topk_error_feedback(my_compress)
+        [pass] top-k with error feedback: the top k of grad + residual sent, ...
+    """
+    import torch
+
+    grad = torch.tensor([0.1, -3.0, 0.5, 2.0, -0.2, 0.05])
+    _check_step(fn, grad, torch.tensor([0.0, 0.0, 2.0, 0.0, -2.5, 0.0]), 2)
+    gen = torch.Generator().manual_seed(0)
+    residual, sent, total = torch.zeros(50), torch.zeros(50), torch.zeros(50)
+    for _ in range(steps):
+        grad = torch.randn(50, generator=gen)
+        values, indices, residual = _check_step(fn, grad, residual, 5)
+        sent.index_add_(0, indices, values)
+        total += grad
+    if not torch.allclose(sent + residual, total, atol=1e-4):  # each step's check implies it
+        raise NotYet(f"after {steps} steps sent + residual differs from the gradients' sum", _LOST)
+    return (f"the top k of grad + residual sent, the rest kept; over {steps} steps sent + "
+            f"residual = the sum of the gradients (nothing lost, only delayed)")
