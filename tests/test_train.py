@@ -192,3 +192,34 @@ def test_large_batch_experiment_trains_each_distinct_run_once():
     assert len(built) == 1 + 3 and len(rows) == 4  # the initial weights, then three runs
     assert rows[0]["val_acc"] == rows[1]["val_acc"] and rows[1]["rule"] == "linear scaling"
     assert rows[2]["lr"] == 0.05 and rows[3]["lr"] == pytest.approx(0.2)
+
+
+def test_train_val_gap_measures_both_sets_alike_in_eval_mode():
+    from labkit import data
+    from labkit.models import small_cnn
+    from labkit.train import train_val_gap
+
+    images = data.shapes(24, image_size=16, seed=0, classes=["circle", "square"])
+    train, val = data.split(images, val_fraction=0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(small_cnn(2, image_size=16, width=4, batch_norm=True),
+                                torch.nn.Dropout(0.9))
+    model.train()
+    gaps = {train_val_gap(model, train, val, 16, batch_size=b) for b in (5, 256)}
+    assert len(gaps) == 1, "eval mode, no augmentation: the same gap whatever the batches"
+    assert not model.training
+    assert train_val_gap(model, train, train, 16) == 0.0
+
+
+def test_augmentation_experiment_can_return_its_trained_models():
+    from labkit import data
+    from labkit.train import augmentation_experiment, train_val_gap
+
+    images = data.shapes(18, image_size=32, seed=0, classes=["circle", "square", "cross"])
+    train, val = data.split(images, val_fraction=0.5)
+    runs, models = augmentation_experiment(train, val, image_size=32, epochs=1, batch_size=8,
+                                           width=1 / 16, return_models=True)
+    assert set(runs) == set(models) == {"none", "standard"}
+    for kind, model in models.items():
+        last = runs[kind][-1]
+        assert train_val_gap(model, train, val, 32) == last["train_acc"] - last["val_acc"]

@@ -1,4 +1,4 @@
-"""Notebook 01's exercises (PyTorch): an augmentation pipeline, a frozen base, ...
+"""Notebook 01's exercises (PyTorch): a pipeline, a batched flip, a fair gap, a frozen base.
 
 Each grader runs the learner's answer and returns what it verified, or raises
 :class:`labkit.check.NotYet` with what is wrong and a hint.
@@ -77,3 +77,149 @@ def frozen_base(model, base: str = "features", head: str = "classifier") -> str:
     total_base = sum(p.numel() for p in base_params)
     trainable_head = sum(p.numel() for p in head_params if p.requires_grad)
     return f"{total_base:,} base parameters frozen, {trainable_head:,} head parameters train"
+
+
+@exercise("per_image_flip", notebook=NOTEBOOK, title="a random flip per image, batched")
+def per_image_flip(fn) -> str:
+    """Exercise: ``fn(batch, p, generator=None)`` mirrors each image left-right with probability p.
+
+    Graded on a batch of 400 random CPU images: every output image must be the input image or
+    its mirror; p=0 flips none, p=1 all, p=0.25 and p=0.5 about that share, each image its own
+    coin; the input stays as it was, and a seeded generator repeats the flips.
+
+    Example::
+
+        >>> exercise.per_image_flip(my_flip)
+        [pass] a random flip per image, batched: each image its own coin: ...
+    """
+    import torch
+
+    batch = torch.rand(400, 3, 6, 8, generator=torch.Generator().manual_seed(0))
+    kept = batch.clone()
+
+    def flipped(p, seed=0):
+        """Which images fn mirrored; NotYet if an output is neither the image nor its mirror."""
+        out = fn(batch, p, generator=torch.Generator().manual_seed(seed))
+        if not torch.equal(batch, kept):
+            raise NotYet("the input batch changed: it was flipped in place",
+                         "return a new tensor (batch.flip(-1) makes one, torch.where picks "
+                         "from two): the caller still needs the original images")
+        if not isinstance(out, torch.Tensor) or out.shape != batch.shape:
+            raise NotYet(f"it returned {type(out).__name__} "
+                         f"{tuple(getattr(out, 'shape', ()))}, expected a tensor of the "
+                         f"batch's shape {tuple(batch.shape)}",
+                         "return the whole batch, each image flipped or not")
+        same = (out == batch).flatten(1).all(1)
+        mirror = (out == batch.flip(-1)).flatten(1).all(1)
+        if not (same | mirror).all():
+            upside = (out == batch.flip(-2)).flatten(1).all(1)
+            raise NotYet(f"{int((~(same | mirror)).sum())} of {len(batch)} images are neither "
+                         f"themselves nor their left-right mirror",
+                         "an up-down flip: flip the width, the last dimension (flip(-1)), not "
+                         "the height" if upside.any() else
+                         "mirror whole images along the width, the last dimension of N x C x H "
+                         "x W: batch.flip(-1), nothing else changed")
+        return mirror
+
+    for p, lo, hi in ((0.5, 0.4, 0.6), (0.0, 0, 0), (1.0, 1, 1), (0.25, 0.17, 0.33)):
+        share = flipped(p).float().mean().item()
+        if p == 0.5 and share in (0.0, 1.0):
+            raise NotYet("with p=0.5 it flipped all images or none: one coin for the whole "
+                         "batch", "draw one random number per image: torch.rand(len(batch)) "
+                         "< p, then pick per image")
+        if not lo <= share <= hi:
+            raise NotYet(f"with p={p} it flipped {share:.0%} of the images",
+                         "flip where torch.rand(len(batch)) < p: then p=0 flips none, p=1 "
+                         "every image, p=0.25 about a quarter")
+    if not torch.equal(flipped(0.5, seed=1), flipped(0.5, seed=1)):
+        raise NotYet("the same seeded generator gave different flips",
+                     "draw with the generator you are given: torch.rand(n, generator="
+                     "generator), so that a run can be repeated")
+    return ("each image its own coin: p=0 flips none, p=1 all, p=0.25 and 0.5 about that "
+            "share; the input is left as it was and a seeded generator repeats the flips")
+
+
+def _memoriser(train_set, image_size: int):
+    """A model that has memorised ``train_set``: 1-nearest neighbour over its plain images.
+
+    Its BatchNorm (running statistics 0 and 1: no change in eval mode) and dropout make train
+    mode visible: both change what it predicts, and BatchNorm's buffers move.
+    """
+    import torch
+
+    from .. import augment, data
+
+    plain = augment.augmentation(image_size, kind="none")
+    images = torch.stack([x for x, _ in data.to_torch(train_set, plain)])
+    labels = torch.as_tensor(train_set.labels, dtype=torch.long)
+    classes = len(train_set.classes)
+
+    class Memoriser(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm2d(3)
+            self.drop = torch.nn.Dropout(0.5)
+            self.register_buffer("memory", images.flatten(1) / (1 + self.norm.eps) ** 0.5)
+
+        def forward(self, x):
+            x = self.drop(self.norm(x)).flatten(1)
+            d = torch.cdist(x, self.memory, compute_mode="donot_use_mm_for_euclid_dist")
+            # a class's logit: minus the distance to its nearest memorised image
+            return torch.stack([-d[:, labels == c].min(1).values for c in range(classes)], 1)
+
+    return Memoriser().eval()
+
+
+@exercise("fair_gap", notebook=NOTEBOOK, title="the train-validation gap, measured fairly")
+def fair_gap(fn, image_size: int = 16) -> str:
+    """Exercise: ``fn(model, train_set, val_set, image_size)``, train minus validation accuracy.
+
+    Graded on a model that memorised its training images (train accuracy exactly 1.0 when
+    measured fairly), against :func:`labkit.train.train_val_gap`: both accuracies in eval mode
+    (BatchNorm's running statistics unchanged, no dropout), on un-augmented images.
+
+    Example::
+
+        >>> exercise.fair_gap(my_gap)
+        [pass] the train-validation gap, measured fairly: gap 0.52 (train 1.00, val 0.48) ...
+    """
+    from .. import data
+    from ..train import train_val_gap
+
+    full = data.shapes(90, image_size=image_size, seed=3, classes=["circle", "square", "cross"])
+    train_set, val_set = data.split(full, val_fraction=2 / 3, seed=0)
+    model = _memoriser(train_set, image_size)
+    stats = {k: v.clone() for k, v in model.norm.state_dict().items()}
+    gaps = []
+    for _ in range(2):
+        model.train()  # as training leaves a model: the measurement must switch it to eval
+        gaps.append(float(fn(model, train_set, val_set, image_size)))
+    if any(not v.equal(stats[k]) for k, v in model.norm.state_dict().items()):
+        raise NotYet("BatchNorm's running statistics changed: the model ran in train mode",
+                     "call model.eval() before measuring: train mode normalises with each "
+                     "batch's statistics, updates the running ones and drops activations")
+    if gaps[0] != gaps[1]:
+        raise NotYet(f"two calls on the same model gave different gaps ({gaps[0]:.3f}, "
+                     f"{gaps[1]:.3f}): something random ran",
+                     "measure on un-augmented images (augment.augmentation(image_size, "
+                     "kind='none')), with the model in eval mode")
+    want, got = train_val_gap(model, train_set, val_set, image_size), gaps[0]
+    val_acc = 1.0 - want
+    tol = 1e-6
+    if abs(got - want) <= tol:
+        return (f"gap {got:.2f} (train 1.00, val {val_acc:.2f}) on a model that memorised its "
+                f"training images: eval mode, un-augmented images")
+    said = f"it gave {got:.4g}; train accuracy 1.0 minus validation {val_acc:.3f} is {want:.4g}"
+    for value, hint in [(-want, "the sign: the gap is train accuracy minus validation accuracy"),
+                        (100 * want, "accuracies are fractions from 0 to 1, not percentages"),
+                        (1.0, "that is the train accuracy alone: subtract the validation "
+                              "accuracy"),
+                        (val_acc, "that is the validation accuracy alone: train minus "
+                                  "validation"),
+                        (0.0, "train and validation gave the same accuracy: measure each on "
+                              "its own set")]:
+        if abs(got - value) <= tol:
+            raise NotYet(said, hint)
+    raise NotYet(said, "count the correct predictions over each whole set (a mean of batch "
+                       "accuracies weighs a short last batch wrongly), in eval mode, on "
+                       "un-augmented images")
