@@ -82,3 +82,10 @@ def test_solution_blocks_are_split_on_their_marks(tmp_path, monkeypatch):
     (tmp_path / "98_dup.py").write_text("# %% one\na = 1\n# %% one\n")
     with pytest.raises(ValueError, match="two solution blocks for 'one'"):
         exercises.solution_blocks()
+
+
+def test_the_builder_takes_notebook_stems_and_refuses_unknown_ones(capsys):
+    assert exercises.main(["--check", "00_environment_check"]) == 0
+    with pytest.raises(SystemExit):
+        exercises.main(["--check", "99_nope"])
+    assert "no graded notebook 99_nope: choose from 00_environment_check" in capsys.readouterr().err

@@ -115,12 +115,17 @@ def solution_notebook_path(path: Path) -> Path:
     return SOLUTIONS / f"{path.stem}_solution.ipynb"
 
 
-def build_solution_notebooks(check_only: bool = False) -> list[Path]:
-    """Write (or, with ``check_only``, list without writing) the out-of-date solution notebooks."""
+def build_solution_notebooks(check_only: bool = False, only=None) -> list[Path]:
+    """Write (or, with ``check_only``, list without writing) the out-of-date solution notebooks
+    (of the notebook stems in ``only``, or of every notebook)."""
     import nbformat
 
+    unknown = sorted(set(only or ()) - set(TOPICS))
+    if unknown:
+        raise ValueError(f"no graded notebook {', '.join(unknown)}: choose from "
+                         f"{', '.join(TOPICS)}")
     stale = []
-    for stem in TOPICS:
+    for stem in only or TOPICS:
         course = NOTEBOOKS / f"{stem}.ipynb"
         if not course.is_file() or not (SOLUTIONS / f"{stem}.py").is_file():
             continue
@@ -134,15 +139,20 @@ def build_solution_notebooks(check_only: bool = False) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m labkit.exercises [--check]``: rebuild the solution notebooks (or list stale)."""
+    """``python -m labkit.exercises [--check] [NOTEBOOK ...]``: rebuild solution notebooks."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m labkit.exercises",
                                      description="rebuild solutions/*_solution.ipynb from the "
                                                  "course notebooks and solutions/*.py")
     parser.add_argument("--check", action="store_true", help="list stale notebooks, write none")
+    parser.add_argument("stems", nargs="*", metavar="NOTEBOOK",
+                        help="notebook stems to build (e.g. 02_data_parallelism); all by default")
     args = parser.parse_args(argv)
-    stale = build_solution_notebooks(check_only=args.check)
+    try:
+        stale = build_solution_notebooks(check_only=args.check, only=args.stems)
+    except ValueError as exc:
+        parser.error(str(exc))
     for path in stale:
         print(f"{'stale' if args.check else 'wrote'}: {path.relative_to(ROOT)}")
     return 1 if args.check and stale else 0
