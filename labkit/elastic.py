@@ -20,7 +20,7 @@ import os
 import signal
 from pathlib import Path
 
-__all__ = ["latest_checkpoint", "step_batch", "resumable_training"]
+__all__ = ["latest_checkpoint", "resume_latest", "step_batch", "resumable_training"]
 
 _PREFIX = "step-"
 
@@ -36,6 +36,30 @@ def latest_checkpoint(folder) -> Path | None:
     folder = Path(folder)
     found = sorted(folder.glob(f"{_PREFIX}*.pt")) if folder.is_dir() else []
     return found[-1] if found else None
+
+
+def resume_latest(model, optimizer, folder) -> int:
+    """Load the newest checkpoint in ``folder`` into ``model`` and ``optimizer``; its step, or 0.
+
+    The resume step of :func:`resumable_training` (its ``resume=`` default): a checkpoint is
+    ``{"model": ..., "optimizer": ..., "step": ...}``; 0 means none was saved yet, and the run
+    starts at step 1. ``model`` is the plain module (not its DDP wrapper).
+
+    Example::
+
+        >>> resume_latest(model, opt, "/tmp/run")     # after steps 5 and 10 were saved
+        10
+    """
+    import torch
+
+    path = latest_checkpoint(folder)
+    if path is None:
+        return 0  # the first attempt: nothing saved yet
+    # On the CPU first: load_state_dict copies into the model's (and optimizer's) own device.
+    state = torch.load(path, map_location="cpu")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])  # SGD's momentum: without it, steps differ
+    return state["step"]
 
 
 def step_batch(n_samples: int, step: int, batch: int, rank: int, world: int, seed: int = 0):
@@ -70,14 +94,16 @@ def _crash_now(crash: dict | None, rank: int, step: int) -> bool:
 
 
 def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every: int = 5,
-                       batch: int = 16, lr: float = 0.1, seed: int = 0, crash: dict | None = None
-                       ) -> dict:
+                       batch: int = 16, lr: float = 0.1, seed: int = 0, crash: dict | None = None,
+                       resume=resume_latest) -> dict:
     """Worker function: DDP training that checkpoints every ``ckpt_every`` steps and resumes.
 
     ``train`` is ``(x, y)``; checkpoints go to ``folder`` (shared by all ranks). ``crash =
     {"rank": r, "step": s}`` makes rank ``r`` kill itself with SIGKILL (no exception, no
     clean-up: what a lost GPU or an OOM-killed process looks like) just before step ``s`` in
     the first attempt; run it with ``labkit.launch(..., max_restarts=1)`` to see the restart.
+    ``resume(model, optimizer, folder) -> step`` restores the newest checkpoint at start
+    (:func:`resume_latest`, or yours: notebook 07 has you write it).
 
     Returns ``weights`` (flat, final), ``resumed_from`` (the checkpoint's step, or None),
     ``restarts`` (torchrun's restart count), ``steps_run`` (the steps this attempt ran).
@@ -106,13 +132,8 @@ def resumable_training(make_model, train, folder, *, steps: int = 20, ckpt_every
     device = collective_device()  # the rank's GPU under NCCL, which cannot reduce CPU tensors
     model = DDP(make_model().to(device))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)  # state that must be saved
-    resumed_from, done = None, 0
-    path = latest_checkpoint(folder)
-    if path is not None:
-        state = torch.load(path, map_location=device)
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        resumed_from = done = state["step"]
+    done = resume(model.module, opt, folder)  # every rank loads the same file
+    resumed_from = done or None
     x, y = train
     steps_run = []
     for step in range(done + 1, steps + 1):

@@ -40,7 +40,8 @@ def training_memory(model, sample, batch: int, *, precision: str = "fp32",
     Parameters, gradients and optimizer state come from the parameter count
     (:data:`labkit.parallel.memory.BYTES_PER_PARAM`); activations are what autograd saves in
     the forward pass, counted on batches of 1 and 2 (``sample`` is one input, without the
-    batch dimension) and grown linearly to ``batch``.
+    batch dimension) and grown linearly to ``batch``: ``fixed + batch * per_sample``, both
+    returned too.
 
     Example::
 
@@ -48,7 +49,7 @@ def training_memory(model, sample, batch: int, *, precision: str = "fp32",
         ...                       torch.zeros(3, 32, 32), batch=256)
         >>> {k: round(v / 1e6, 1) for k, v in est.items()}
         {'params': 33.6, 'grads': 33.6, 'optimizer': 67.2, 'activations': 110.6,
-         'per_sample': 0.4, 'total': 245.1}
+         'per_sample': 0.4, 'fixed': 0.0, 'total': 245.1}
     """
     from .parallel.memory import BYTES_PER_PARAM, saved_bytes
 
@@ -63,7 +64,7 @@ def training_memory(model, sample, batch: int, *, precision: str = "fp32",
     per_sample, fixed = two - one, 2 * one - two  # fixed: what does not grow with the batch
     est = {kind: n * per_param[kind] for kind in ("params", "grads", "optimizer")}
     est["activations"] = fixed + batch * per_sample
-    est["per_sample"] = per_sample
+    est["per_sample"], est["fixed"] = per_sample, fixed
     est["total"] = est["params"] + est["grads"] + est["optimizer"] + est["activations"]
     return est
 

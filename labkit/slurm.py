@@ -84,6 +84,34 @@ def write_sbatch(path: str | Path, target: str | Path, *args: str, **options) ->
     return path
 
 
+def first_node(nodelist: str) -> str:
+    """The first host of a Slurm node list, expanded as ``scontrol show hostnames`` would.
+
+    ``SLURM_JOB_NODELIST`` is compressed: ``gpu[07-08,12]`` is gpu07, gpu08 and gpu12. The
+    first node hosts the rendezvous (``MASTER_ADDR``) in the job scripts of this module.
+
+    Example:
+        >>> first_node("gpu[07-08,12],cpu01")
+        'gpu07'
+        >>> first_node("rack[2-3]-node[01-04]")
+        'rack2-node01'
+    """
+    if not isinstance(nodelist, str) or not nodelist.strip():
+        raise ValueError(f"a Slurm node list is a non-empty string such as 'gpu[01-04]', got "
+                         f"{nodelist!r}: read it from SLURM_JOB_NODELIST")
+    first, depth = [], 0
+    for char in nodelist.strip():  # up to the first comma outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            break
+        first.append(char)
+    host = "".join(first)
+    while (bracket := re.search(r"\[([^\]]*)\]", host)) is not None:
+        lowest = bracket.group(1).split(",")[0].split("-")[0]  # keeps the zero padding
+        host = host[:bracket.start()] + lowest + host[bracket.end():]
+    return host
+
+
 def _check_target(target) -> Path:
     """The training script as an absolute path (the job may start in another folder)."""
     script = Path(target).expanduser()

@@ -8,7 +8,7 @@ import cloudpickle
 import pytest
 import torch
 
-from labkit.elastic import latest_checkpoint, resumable_training, step_batch
+from labkit.elastic import latest_checkpoint, resumable_training, resume_latest, step_batch
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -53,6 +53,32 @@ def test_resuming_from_a_checkpoint_ends_bitwise_where_a_straight_run_ends(group
     assert torch.equal(resumed["weights"], straight["weights"])  # momentum restored too
     assert [p.name for p in sorted((tmp_path / "a").iterdir())] == [
         "step-000004.pt", "step-000008.pt", "step-000012.pt"]
+
+
+def test_resume_latest_restores_the_newest_checkpoint_or_says_0(group, tmp_path):
+    model = _make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert resume_latest(model, opt, tmp_path / "none-yet") == 0
+    resumable_training(_make, _data(), tmp_path, steps=6, ckpt_every=4, batch=8)
+    assert resume_latest(model, opt, tmp_path) == 6
+    saved = torch.load(tmp_path / "step-000006.pt")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 saved["model"].values(), strict=True))
+    assert opt.state_dict()["state"][0]["momentum_buffer"] is not None
+
+
+def test_the_resume_step_is_the_callers_to_choose(group, tmp_path):
+    resumable_training(_make, _data(), tmp_path, steps=8, ckpt_every=4, batch=8)
+    calls = []
+
+    def from_scratch(model, optimizer, folder):
+        calls.append(folder)
+        return 0  # ignore the checkpoints: every step again
+
+    again = resumable_training(_make, _data(), tmp_path, steps=8, ckpt_every=4, batch=8,
+                               resume=from_scratch)
+    assert calls == [tmp_path] and again["resumed_from"] is None
+    assert again["steps_run"] == list(range(1, 9))
 
 
 def test_bad_step_counts_are_refused(group, tmp_path):

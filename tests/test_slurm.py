@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from labkit import cli
-from labkit.slurm import sbatch_script, write_sbatch
+from labkit.slurm import first_node, sbatch_script, write_sbatch
 
 
 @pytest.fixture
@@ -38,6 +38,23 @@ def train(tmp_path) -> Path:
 def sbatch_lines(text: str) -> list[str]:
     return [line.removeprefix("#SBATCH ") for line in text.splitlines()
             if line.startswith("#SBATCH ")]
+
+
+# ---- the node list ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodelist,first", [
+    ("gpu[07-08,12],cpu01", "gpu07"), ("dgx[012-013]", "dgx012"), ("node3", "node3"),
+    ("a1,b2", "a1"), ("rack[2-3]-node[01-04]", "rack2-node01"), ("n[5]", "n5"),
+    ("  localhost ", "localhost")])
+def test_first_node_expands_the_first_host_of_a_compressed_list(nodelist, first):
+    assert first_node(nodelist) == first
+
+
+@pytest.mark.parametrize("bad", ["", "  ", None, 3])
+def test_first_node_refuses_what_is_not_a_node_list(bad):
+    with pytest.raises(ValueError, match="read it from SLURM_JOB_NODELIST"):
+        first_node(bad)
 
 
 # ---- the script's text -------------------------------------------------------------------------
