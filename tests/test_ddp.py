@@ -75,7 +75,7 @@ def ddp_checks(folder: str) -> dict:
 def two_ranks(tmp_path_factory):
     """One launch of ddp_checks on two workers; its per-rank results and the checkpoint folder."""
     folder = tmp_path_factory.mktemp("ddp")
-    values = launch(ddp_checks, str(folder), nproc=2, show_ranks=[], timeout=120).values
+    values = launch(ddp_checks, str(folder), nproc=2, show_ranks=[], timeout=120, warm=True).values
     return values, folder
 
 

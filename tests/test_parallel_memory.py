@@ -40,7 +40,7 @@ def fsdp_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(fsdp_checks, nproc=2, show_ranks=[], timeout=180).values
+    return launch(fsdp_checks, nproc=2, show_ranks=[], timeout=180, warm=True).values
 
 
 # ---- estimate_memory -------------------------------------------------------------------------

@@ -403,7 +403,8 @@ def pipeline_checks(build, batch, m) -> dict:
 def two_stages():
     """One launch of 2 ranks (about 10 s here), its per-rank results and the reference step."""
     build, batch = stage_builder(SMALL), example_batch(BATCH, inputs=8)
-    values = launch(pipeline_checks, build, batch, M, nproc=2, show_ranks=[], timeout=180).values
+    values = launch(pipeline_checks, build, batch, M, nproc=2, show_ranks=[], timeout=180,
+                    warm=True).values
     return values, reference_step(build, 2, batch)
 
 

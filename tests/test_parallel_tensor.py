@@ -75,7 +75,7 @@ def tp_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(tp_checks, nproc=2, show_ranks=[], timeout=180).values
+    return launch(tp_checks, nproc=2, show_ranks=[], timeout=180, warm=True).values
 
 
 # ---- single process --------------------------------------------------------------------------
