@@ -4,16 +4,17 @@ Notebook 05 runs each fault the way it happens in real code, shows how it fails,
 it. Two kinds of functions live here:
 
 * **fault scenarios** (``skipped_allreduce``, ``crash_on_rank``, ``mismatched_shapes``,
-  ``nan_on_rank``, ``training_fingerprints``), small worker functions for
+  ``nan_on_rank``, ``training_fingerprints``, ``early_stopping``), small worker functions for
   :func:`labkit.launch`, each with a switch that turns the diagnosis tool or the fix on;
-* **diagnosis tools** a learner reuses in real training code: :func:`check_finite` and
-  :func:`all_finite` (a NaN on one rank, named on every rank), :func:`check_same_shape`,
-  :func:`common_steps` (every rank runs as many collectives), :func:`fingerprint` and
-  :func:`make_deterministic` (runs that repeat bit for bit), :func:`collectives_in_log` and
-  :func:`first_mismatch` (reading ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` logs),
-  :func:`flight_recorder` and :func:`dump_flight_recorder` (the collectives each rank has
-  issued, from torch's flight recorder, printable while a rank hangs), :func:`small_shm_support`
-  and :func:`shm_dataloader` (DataLoader workers under a small ``/dev/shm``, as in Docker).
+* **diagnosis tools** a learner reuses in real training code: :func:`nonfinite_ranks`,
+  :func:`check_finite` and :func:`all_finite` (a NaN on one rank, named on every rank),
+  :func:`check_same_shape`, :func:`common_steps` (every rank runs as many collectives),
+  :func:`fingerprint` and :func:`make_deterministic` (runs that repeat bit for bit),
+  :func:`collectives_in_log` and :func:`first_mismatch` (reading
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` logs), :func:`flight_recorder` and
+  :func:`dump_flight_recorder` (the collectives each rank has issued, from torch's flight
+  recorder, printable while a rank hangs), :func:`small_shm_support` and
+  :func:`shm_dataloader` (DataLoader workers under a small ``/dev/shm``, as in Docker).
 
 The collective tools work on any process group (gloo or NCCL) and, without one, on the one
 process that calls them; every rank of the group must call them, as any collective.
@@ -39,6 +40,7 @@ __all__ = [
     "RECORDER_ENV",
     "NotFiniteError",
     "ShapeMismatchError",
+    "nonfinite_ranks",
     "check_finite",
     "all_finite",
     "check_same_shape",
@@ -57,6 +59,7 @@ __all__ = [
     "mismatched_shapes",
     "nan_on_rank",
     "training_fingerprints",
+    "early_stopping",
 ]
 
 # What a learner sets (through ``labkit.launch(..., env=DEBUG_ENV)``) to make the process group
@@ -125,15 +128,27 @@ def _check_name(name) -> str:
     return name
 
 
-def _not_finite_ranks(value, group, what: str) -> list[int]:
-    """Every rank sets its own slot; one SUM all-reduce tells every rank where it went bad."""
+def nonfinite_ranks(value, *, group=None) -> list[int]:
+    """The ranks on which ``value`` holds a NaN or an inf: the same list on every rank.
+
+    ``[]`` when the value is finite everywhere. Each rank looks at its own value and sets its
+    own slot of a tensor of ``world_size`` flags; one SUM all-reduce gives every rank every
+    slot. Every rank must call it, finite or not (it is a collective): that call is how the
+    ranks whose value is fine learn that another's is not. :func:`check_finite` raises on
+    its answer, :func:`all_finite` skips on it.
+
+    Example::
+
+        >>> diagnose.nonfinite_ranks(loss)      # on every rank, when rank 1's loss is NaN
+        [1]
+    """
     import torch
     import torch.distributed as dist
 
-    local_bad = not bool(torch.isfinite(_as_tensor(value, what)).all())
+    local_bad = not bool(torch.isfinite(_as_tensor(value, "nonfinite_ranks")).all())
     rank, world = _group_info(group)
     flags = torch.zeros(world, dtype=torch.int32, device=collective_device(group, required=False))
-    flags[rank] = int(local_bad)
+    flags[rank] = int(local_bad)  # a flag tensor of its own: the value itself stays untouched
     if world > 1:
         dist.all_reduce(flags, group=group)
     return [r for r, bad in enumerate(flags.tolist()) if bad]
@@ -156,7 +171,7 @@ def check_finite(value, name: str = "loss", *, step=None, group=None) -> None:
         NotFiniteError: loss is not finite (NaN or inf) on rank(s) 1 at step 2 (of 2 rank(s)); ...
     """
     name = _check_name(name)
-    bad = _not_finite_ranks(value, group, "check_finite")
+    bad = nonfinite_ranks(_as_tensor(value, "check_finite"), group=group)
     if bad:
         _, world = _group_info(group)
         at = f" at step {step}" if step is not None else ""
@@ -180,7 +195,7 @@ def all_finite(value, *, group=None) -> bool:
         >>> if not diagnose.all_finite(loss):   # every rank skips this batch together
         ...     continue
     """
-    return not _not_finite_ranks(value, group, "all_finite")
+    return not nonfinite_ranks(_as_tensor(value, "all_finite"), group=group)
 
 
 def check_same_shape(tensor, name: str = "tensor", *, group=None) -> None:
@@ -888,3 +903,57 @@ def training_fingerprints(*, seed: int | None = None, epochs: int = 2, set_epoch
             torch.nn.functional.mse_loss(model(xb + noise), yb).backward()
             opt.step()
     return {"weights": fingerprint(model.module), "orders": orders}
+
+
+def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) -> dict:
+    """A hang that the data decides: each rank stops early on its own validation loss.
+
+    Early stopping ends training once the validation loss has not improved for more than
+    ``patience`` epochs. Here each rank measures it on its own validation shard, and rank 1's
+    shard comes from a slightly different distribution (another camera, another site): its
+    loss turns up epochs before rank 0's. Rank 1 leaves the loop; rank 0 goes on into the
+    next epoch, whose gradient all-reduce waits for rank 1 forever (with DDP, the same wait
+    happens inside ``backward()``). On one process the code is right, and with other data it
+    would not hang. ``fixed=True`` decides on the validation loss over all ranks (one
+    all-reduce of the loss sum and the sample count), the same number on every rank. Prints
+    each epoch's loss; returns ``{"epochs": epochs trained, "val": each epoch's loss}``.
+
+    Example::
+
+        >>> labkit.launch(diagnose.early_stopping, timeout=10)     # LaunchTimeout: rank 0
+        >>> labkit.launch(diagnose.early_stopping, fixed=True).values[0]["epochs"]
+        9
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 4, generator=gen)
+    y = x.sum(1, keepdim=True)                              # the same task on every rank
+    val_x = torch.randn(32, 4, generator=gen)
+    val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)   # rank 1's shard differs
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)                           # the same start on every rank
+    best, worse, history = float("inf"), 0, []
+    for epoch in range(epochs):
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():                    # a data-parallel SGD step:
+                dist.all_reduce(p.grad)                     # the gradients summed over ranks,
+                p -= 0.1 * p.grad / dist.get_world_size()   # averaged, and one step down
+            val = F.mse_loss(model(val_x), val_y)           # this rank's shard only
+        if fixed:  # the loss over every rank's shard: the same number everywhere
+            total = torch.stack([val * len(val_x), torch.tensor(float(len(val_x)))])
+            dist.all_reduce(total)
+            val = total[0] / total[1]
+        history.append(round(val.item(), 5))
+        worse = 0 if val.item() < best else worse + 1
+        best = min(best, val.item())
+        print(f"epoch {epoch + 1}: validation loss {val.item():.4f}", flush=True)
+        if worse > patience:
+            print(f"stopping early: no improvement for {worse} epochs", flush=True)
+            break
+    return {"epochs": len(history), "val": history}

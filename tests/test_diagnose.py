@@ -57,6 +57,16 @@ def test_all_finite_agrees_on_one_rank(group):
     assert diagnose.all_finite(torch.tensor([1.0, float("inf")])) is False
 
 
+def test_nonfinite_ranks_names_this_rank_and_leaves_the_value_alone(group):
+    value = torch.tensor([1.0, float("nan")])
+    assert diagnose.nonfinite_ranks(value) == [0]
+    assert value[0] == 1.0 and value[1].isnan(), "the value is not reduced in place"
+    assert diagnose.nonfinite_ranks(torch.tensor(2.0)) == []
+    assert diagnose.nonfinite_ranks(float("-inf")) == [0]
+    with pytest.raises(ValueError, match="nonfinite_ranks takes a tensor or a number"):
+        diagnose.nonfinite_ranks("nan")
+
+
 @pytest.mark.parametrize("value", ["1.0", None, [1.0, 2.0]], ids=["str", "None", "list"])
 def test_check_finite_refuses_what_is_not_a_tensor_or_number(value):
     with pytest.raises(ValueError, match=r"check_finite takes a tensor or a number .* pass the "
@@ -413,6 +423,10 @@ def test_scenarios_refuse_unknown_switches(group, fn, kwargs, match):
 
 
 def test_scenarios_run_on_one_rank(group):
+    # One rank holds rank 0's data only: its validation loss keeps falling, so it never stops.
+    assert diagnose.early_stopping(epochs=4)["epochs"] == 4
+    fixed = diagnose.early_stopping(epochs=4, fixed=True)
+    assert fixed == diagnose.early_stopping(epochs=4) and fixed["val"] == sorted(fixed["val"])[::-1]
     assert diagnose.skipped_allreduce(extra_rank=5) == 3
     assert diagnose.nan_on_rank(bad_rank=5) == {"finite": True, "skipped": []}
     assert diagnose.mismatched_shapes(check=True) == [3] * 10

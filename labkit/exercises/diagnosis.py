@@ -1,0 +1,250 @@
+"""Notebook 05's exercises: a NaN detector that names the rank, runs that repeat, a hang fixed.
+
+Each grader runs the learner's function on two real gloo ranks (:func:`labkit.check.on_ranks`,
+warm workers) beside labkit's reference, and returns what it verified, or raises
+:class:`labkit.check.NotYet` naming what is still wrong. The workers below are what every rank
+runs: they call the learner's function and return plain data, compared in the grader.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..check import NotYet, exercise, on_ranks
+
+NOTEBOOK = "05"
+EARLY_STOP = {"epochs": 10, "patience": 1}  # the job's arguments, the learner's and labkit's
+
+# (what the case is, rank 0's value, rank 1's value, the ranks to be named)
+_NAN, _INF = float("nan"), float("inf")
+_CASES = [("finite on both ranks", 0.7, 1.3, []),
+          ("NaN on rank 1", 0.7, _NAN, [1]),
+          ("inf on rank 0", _INF, 1.3, [0]),
+          ("NaN on rank 0, -inf on rank 1", _NAN, -_INF, [0, 1]),
+          ("one NaN among a gradient's 3 values on rank 1", [0.1, 0.2, 0.3], [0.1, _NAN, 0.3],
+           [1])]
+
+
+def _stuck_ranks(detail: str) -> list[int]:
+    """The ranks that :func:`on_ranks`'s hang message lists as still running."""
+    return [int(r) for r in re.findall(r"rank (\d+): ", detail)]
+
+
+def _nonfinite_worker(fn) -> list[dict]:
+    """Every case on this rank: what the learner's function answered, and if it kept the value."""
+    import torch
+    import torch.distributed as dist
+
+    rank, out = dist.get_rank(), []
+    for _, *values, _ in _CASES:
+        value = torch.tensor(values[rank])
+        before = value.clone()
+        answer = fn(value)
+        if isinstance(answer, torch.Tensor):
+            answer = answer.tolist()
+        if isinstance(answer, list | tuple):  # tensors of rank numbers travel as plain numbers
+            answer = [a.item() if isinstance(a, torch.Tensor) else a for a in answer]
+        kept = torch.equal(torch.nan_to_num(before), torch.nan_to_num(value))
+        out.append({"answer": answer, "kept": kept and before.isnan().equal(value.isnan())})
+    return out
+
+
+@exercise("nonfinite_ranks", notebook=NOTEBOOK, title="a NaN detector that names the rank")
+def nonfinite_ranks(fn, *, timeout: float = 20.0) -> str:
+    """Exercise: ``fn(value)`` returns the ranks where ``value`` is NaN/inf, the same on every rank.
+
+    Example::
+
+        >>> exercise.nonfinite_ranks(my_nonfinite_ranks)
+        [pass] a NaN detector that names the rank: 5 cases on 2 ranks, ...
+    """
+    try:
+        ranks = on_ranks(_nonfinite_worker, fn, timeout=timeout)
+    except NotYet as wrong:
+        if "still running" not in wrong.detail:
+            raise
+        stuck = ", ".join(map(str, _stuck_ranks(wrong.detail))) or "a rank"
+        raise NotYet(wrong.detail, f"rank {stuck} waited in a collective that the other rank "
+                     "never called: call it on every rank, every time, finite or not; that "
+                     "call is how the finite ranks learn of the bad one") from None
+    for i, (case, *_, want) in enumerate(_CASES):
+        said = {r: ranks[r][i]["answer"] for r in range(len(ranks))}
+        if not all(ranks[r][i]["kept"] for r in said):
+            raise NotYet(f"{case}: your function changed the value it was given",
+                         "all_reduce works in place: reduce a tensor of flags of your own, "
+                         "not the loss itself (which the training step still needs)")
+        if any(not isinstance(a, list | tuple) for a in said.values()):
+            raise NotYet(f"{case}: it returned {said[0]!r} on rank 0, not a list of ranks",
+                         "return a list of rank numbers, e.g. [1], or [] when all is finite")
+        if any(isinstance(x, bool) for a in said.values() for x in a):
+            raise NotYet(f"{case}: it returned {said[0]!r} on rank 0, a mask, not rank numbers",
+                         "return the numbers of the bad ranks: [r for r, bad in "
+                         "enumerate(mask) if bad]")
+        if len({tuple(a) for a in said.values()}) > 1:
+            raise NotYet(f"{case}: the ranks disagree: " + ", ".join(
+                f"rank {r} said {a}" for r, a in said.items()),
+                "each rank looked only at its own value: give each rank a slot in a tensor of "
+                "world_size flags, set your own, and all_reduce it so every rank sees all")
+        if sorted(int(r) for r in said[0]) != want:
+            hint = ("torch.isnan misses inf: torch.isfinite(value).all() catches both"
+                    if "inf" in case else "name each rank whose value is not finite, and only "
+                    "those: one flag per rank (set your own slot), summed over the ranks")
+            raise NotYet(f"{case}: every rank said {said[0]}, expected {want}", hint)
+    return (f"{len(_CASES)} cases on {len(ranks)} ranks (NaN, inf, a NaN in a vector): the "
+            f"same, right list on every rank, and the values left as they were")
+
+
+def _determinism_worker(setup, seed: int) -> dict:
+    """The learner's settings, then what a run draws: a number from each generator, and weights."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ..diagnose import fingerprint
+
+    setup(seed, dist.get_rank())
+    drawn = {"random": random.random(), "numpy": float(np.random.random()),
+             "torch": torch.rand(1).item()}
+    settings = {"deterministic": torch.are_deterministic_algorithms_enabled(),
+                "benchmark": torch.backends.cudnn.benchmark}
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))  # a fixed data set
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, shuffle=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(16, 1))  # each rank its own (no DDP: quicker)
+    for xb, yb in loader:  # the order (torch), dropout (torch), noise (NumPy), flips (random)
+        xb = xb.flip(1) if random.random() < 0.5 else xb
+        xb = xb + torch.from_numpy(np.random.normal(0, 0.1, xb.shape).astype("float32"))
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        with torch.no_grad():  # SGD by hand: torch.optim's first use imports seconds of torch
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+    return {"drawn": drawn, "settings": settings, "weights": fingerprint(model)}
+
+
+_SEEDERS = {"random": "random.seed(...)", "numpy": "np.random.seed(...)",
+            "torch": "torch.manual_seed(...)"}
+
+
+@exercise("seed_everything", notebook=NOTEBOOK, title="runs that repeat bit for bit")
+def seed_everything(setup, *, seed: int = 1234) -> str:
+    """Exercise: ``setup(seed, rank)`` makes two runs give bit-identical weights, rank by rank.
+
+    Runs a small training twice with the same seed and once with another, on 2 ranks.
+
+    Example::
+
+        >>> exercise.seed_everything(my_seed_everything)
+        [pass] runs that repeat bit for bit: two runs, the same weights (...) ...
+    """
+    # Warm ranks reseed every generator from fresh entropy before each run, as a new process.
+    first, again = (on_ranks(_determinism_worker, setup, seed) for _ in range(2))
+    for name, seeder in _SEEDERS.items():
+        for rank, (a, b) in enumerate(zip(first, again, strict=True)):
+            if a["drawn"][name] != b["drawn"][name]:
+                raise NotYet(f"{name}'s generator gave other numbers in the second run (rank "
+                             f"{rank}: {a['drawn'][name]:.6f}, then {b['drawn'][name]:.6f})",
+                             f"it seeds itself from the operating system at start-up: seed it "
+                             f"with {seeder}")
+        if first[0]["drawn"][name] == first[1]["drawn"][name]:
+            raise NotYet(f"rank 0 and rank 1 drew the same numbers from {name}: every rank got "
+                         f"the same seed",
+                         "seed with seed + rank, so that each rank's augmentation and dropout "
+                         "differ (DDP copies rank 0's weights to every rank anyway)")
+    if not all(r["settings"]["deterministic"] for r in first):
+        raise NotYet("the generators repeat, but torch.are_deterministic_algorithms_enabled() "
+                     "is False", "torch.use_deterministic_algorithms(True): on GPUs, scatter, "
+                     "index_add and cuDNN otherwise add in a different order each run")
+    if any(r["settings"]["benchmark"] for r in first):
+        raise NotYet("torch.backends.cudnn.benchmark is True",
+                     "set it to False: the autotuner may pick another kernel in each run")
+    weights = [r["weights"] for r in first]
+    if weights != [r["weights"] for r in again]:
+        raise NotYet(f"the weights differ between the two runs ({weights} then "
+                     f"{[r['weights'] for r in again]}) though every generator repeats",
+                     "is anything else random in your setup (the time, os.urandom)?")
+    other = on_ranks(_determinism_worker, setup, seed + 1)
+    if [r["weights"] for r in other] == weights:
+        raise NotYet(f"seed {seed} and seed {seed + 1} gave the same weights",
+                     "use the seed argument, not a number of your own: another seed is how you "
+                     "check that a result does not rest on one lucky draw")
+    return (f"two runs, bit-identical weights on both ranks ({', '.join(weights)}); random, "
+            f"NumPy and torch repeat, each rank its own stream; deterministic algorithms on; "
+            f"another seed, other weights")
+
+
+def _early_stop_worker(fn) -> dict:
+    """labkit's fixed job, then the learner's, on this rank."""
+    from ..diagnose import early_stopping
+
+    return {"labkit": early_stopping(**EARLY_STOP, fixed=True), "yours": fn(**EARLY_STOP)}
+
+
+@exercise("early_stop_together", notebook=NOTEBOOK, title="early stopping on every rank")
+def early_stop_together(fn, *, timeout: float = 20.0) -> str:
+    """Exercise: the early-stopping job fixed, so that every rank stops at the same, right epoch.
+
+    ``fn(epochs=10, patience=1)`` runs on 2 ranks beside ``diagnose.early_stopping(fixed=True)``.
+
+    Example::
+
+        >>> exercise.early_stop_together(my_early_stopping)
+        [pass] early stopping on every rank: both ranks stopped after 9 epochs, ...
+    """
+    try:
+        ranks = on_ranks(_early_stop_worker, fn, timeout=timeout)
+    except NotYet as wrong:
+        if "still running" not in wrong.detail:
+            raise
+        stuck = _stuck_ranks(wrong.detail)
+        who = (f"rank {stuck[0]} still waits in a collective, and the other rank had left: "
+               if len(stuck) == 1 else "a rank waits in a collective: ")
+        raise NotYet(wrong.detail, who + "one rank left the epoch loop (its own shard's loss "
+                     "rose) while the other went on into the next epoch's gradient all-reduce. "
+                     "The stop decision must come out the same on every rank: base it on the "
+                     "validation loss over all ranks (all_reduce its sum and the sample count), "
+                     "not on one shard's") from None
+    ref, yours = ranks[0]["labkit"], [r["yours"] for r in ranks]
+    if not all(isinstance(y, dict) and {"epochs", "val"} <= set(y) for y in yours):
+        raise NotYet(f"it returned {yours[0]!r:.80} on rank 0",
+                     "return the dict the job returns: {'epochs': ..., 'val': [...]}")
+    epochs, best = yours[0]["epochs"], ref["val"].index(min(ref["val"])) + 1
+    own_shards = yours[0]["val"] != yours[1]["val"]
+    if len({y["epochs"] for y in yours}) > 1:
+        raise NotYet(f"rank 0 trained {yours[0]['epochs']} epochs, rank 1 {yours[1]['epochs']}",
+                     "the stop decision must come out the same on every rank")
+    if epochs < ref["epochs"]:
+        raise NotYet(f"every rank stopped after {epochs} epochs, but the validation loss over "
+                     f"all ranks improved until epoch {best}",
+                     "stopping when any one rank's loss rises (a stop flag all-reduced with MAX) "
+                     "ends too early: decide on the loss over all ranks' shards" if own_shards
+                     else f"with patience={EARLY_STOP['patience']} the job stops once the loss "
+                     f"has not improved for {EARLY_STOP['patience'] + 1} epochs: is patience "
+                     f"still used?")
+    if epochs > ref["epochs"]:
+        raise NotYet(f"the ranks trained {epochs} epochs; the loss over all ranks stopped "
+                     f"improving at epoch {best}, so early stopping should end at "
+                     f"{ref['epochs']}", "is the stop test still run, with patience?")
+    if own_shards:
+        raise NotYet(f"right epoch, but the ranks saw different validation losses (rank 0 "
+                     f"{yours[0]['val'][:3]}, rank 1 {yours[1]['val'][:3]}, ...)",
+                     "each rank still reports its own shard's loss: report the loss over all "
+                     "ranks, the number the decision is taken on")
+    if len(yours[0]["val"]) != len(ref["val"]):
+        raise NotYet(f"{epochs} epochs but {len(yours[0]['val'])} validation losses",
+                     "append one validation loss per epoch trained, as the job does")
+    ratio = yours[0]["val"][0] / ref["val"][0]
+    if not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5)
+               for a, b in zip(yours[0]["val"], ref["val"], strict=True)):
+        hint = ("all_reduce sums: divide the sum by the number of samples (or of ranks)"
+                if math.isclose(ratio, len(ranks), rel_tol=1e-3) else
+                "the loss over all ranks is the sum of the squared errors over every shard "
+                "divided by the number of samples")
+        raise NotYet(f"right epoch, but the validation losses are {ratio:.3g}x labkit's "
+                     f"({yours[0]['val'][:3]} vs {ref['val'][:3]}, ...)", hint)
+    return (f"both ranks stopped after {epochs} epochs (the loss over all ranks was best at "
+            f"epoch {best}), with labkit's validation losses; no rank left waiting")

@@ -1,0 +1,303 @@
+"""Notebook 05's graders: the reference solutions pass, known wrong answers get their hints.
+
+Every grader runs on two warm gloo ranks, so a check costs milliseconds once the pool is up;
+the answers that hang (a collective on one rank only) cost their timeout and a fresh pool,
+so they come last and use a short timeout.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+import sys
+
+import cloudpickle
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from labkit import check, diagnose, exercises
+from labkit.exercises import diagnosis
+
+# Ship this module's wrong answers by value, as a notebook's functions are.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+HANG_S = 3.0  # a warm run's timeout counts from its start: the jobs take well under a second
+
+
+def solved(exercise_id: str) -> dict:
+    """The reference solution block, run as the solution notebook runs it."""
+    namespace = {"torch": torch, "dist": dist, "np": np, "random": random}
+    exec(exercises.solution_blocks("05_problem_diagnosis")[exercise_id], namespace)
+    return namespace
+
+
+def test_the_exercises_are_registered_for_notebook_05():
+    for ex_id in ("nonfinite_ranks", "seed_everything", "early_stop_together"):
+        assert check.EXERCISES[ex_id].notebook == "05"
+
+
+# ------------------------------------------------------------------------------ nonfinite_ranks
+
+
+def test_nonfinite_ranks_solution_passes():
+    verdict = diagnosis.nonfinite_ranks(solved("nonfinite_ranks")["my_nonfinite_ranks"])
+    assert verdict, verdict
+    assert "the same, right list on every rank" in verdict.detail
+
+
+def test_labkits_nonfinite_ranks_passes_its_own_check():
+    assert diagnosis.nonfinite_ranks(diagnose.nonfinite_ranks)
+
+
+def only_my_own(value):
+    return [dist.get_rank()] if not torch.isfinite(value).all() else []
+
+
+def test_nonfinite_ranks_wrong_each_rank_looks_only_at_its_own():
+    verdict = diagnosis.nonfinite_ranks(only_my_own)
+    assert not verdict and "the ranks disagree: rank 0 said [], rank 1 said [1]" in verdict.detail
+    assert "tensor of world_size flags" in verdict.hint
+
+
+def isnan_only(value):
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = float(torch.isnan(value).any())
+    dist.all_reduce(flags)
+    return [r for r in range(len(flags)) if flags[r] > 0]
+
+
+def test_nonfinite_ranks_wrong_isnan_misses_inf():
+    verdict = diagnosis.nonfinite_ranks(isnan_only)
+    assert not verdict and "inf on rank 0: every rank said [], expected [0]" in verdict.detail
+    assert "torch.isnan misses inf" in verdict.hint
+
+
+def reduces_the_loss_itself(value):
+    dist.all_reduce(value)  # NaN spreads: every rank knows, none can say where
+    return [] if torch.isfinite(value).all() else list(range(dist.get_world_size()))
+
+
+def test_nonfinite_ranks_wrong_all_reduce_of_the_loss_in_place():
+    verdict = diagnosis.nonfinite_ranks(reduces_the_loss_itself)
+    assert not verdict and "changed the value it was given" in verdict.detail
+    assert "all_reduce works in place" in verdict.hint
+
+
+def one_flag_for_all(value):
+    flag = torch.tensor([float(not torch.isfinite(value).all())])
+    dist.all_reduce(flag)
+    return list(range(dist.get_world_size())) if flag.item() else []
+
+
+def test_nonfinite_ranks_wrong_one_flag_cannot_name_the_rank():
+    verdict = diagnosis.nonfinite_ranks(one_flag_for_all)
+    assert not verdict and "NaN on rank 1: every rank said [0, 1], expected [1]" in verdict.detail
+    assert "one flag per rank" in verdict.hint
+
+
+def test_nonfinite_ranks_wrong_a_count_instead_of_a_list():
+    verdict = diagnosis.nonfinite_ranks(lambda value: 0)
+    assert not verdict and "not a list of ranks" in verdict.detail
+
+
+def a_mask(value):
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = float(not torch.isfinite(value).all())
+    dist.all_reduce(flags)
+    return [bool(f) for f in flags]
+
+
+def test_nonfinite_ranks_wrong_a_mask_instead_of_rank_numbers():
+    verdict = diagnosis.nonfinite_ranks(a_mask)
+    assert not verdict and "a mask, not rank numbers" in verdict.detail
+
+
+def test_nonfinite_ranks_takes_rank_numbers_as_a_tensor():
+    def as_tensor(value):
+        flags = torch.zeros(dist.get_world_size())
+        flags[dist.get_rank()] = float(not torch.isfinite(value).all())
+        dist.all_reduce(flags)
+        return torch.nonzero(flags).flatten()
+
+    assert diagnosis.nonfinite_ranks(as_tensor)
+
+
+def test_the_placeholder_is_not_run():
+    def untouched(value):
+        raise NotImplementedError("your code here")  # the exercise cell as the learner finds it
+
+    for grader in (diagnosis.nonfinite_ranks, diagnosis.seed_everything,
+                   diagnosis.early_stop_together):
+        verdict = grader(untouched)
+        assert not verdict and "not written yet" in verdict.detail
+
+
+# ------------------------------------------------------------------------------ seed_everything
+
+
+def test_seed_everything_solution_passes():
+    verdict = diagnosis.seed_everything(solved("seed_everything")["my_seed_everything"])
+    assert verdict, verdict
+    assert "two runs, bit-identical weights on both ranks" in verdict.detail
+
+
+def test_labkits_make_deterministic_passes_with_seed_plus_rank():
+    assert diagnosis.seed_everything(lambda seed, rank: diagnose.make_deterministic(seed + rank))
+
+
+def no_numpy(seed, rank):
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    torch.use_deterministic_algorithms(True)
+
+
+def test_seed_everything_wrong_numpy_not_seeded():
+    verdict = diagnosis.seed_everything(no_numpy)
+    assert not verdict and "numpy's generator gave other numbers" in verdict.detail
+    assert "np.random.seed" in verdict.hint
+
+
+def same_seed_everywhere(seed, rank):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+
+
+def test_seed_everything_wrong_the_same_seed_on_every_rank():
+    verdict = diagnosis.seed_everything(same_seed_everywhere)
+    assert not verdict and "rank 0 and rank 1 drew the same numbers" in verdict.detail
+    assert "seed + rank" in verdict.hint
+
+
+def seeds_only(seed, rank):
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def test_seed_everything_wrong_no_deterministic_algorithms():
+    verdict = diagnosis.seed_everything(seeds_only)
+    assert not verdict and "are_deterministic_algorithms_enabled() is False" in verdict.detail
+    assert "torch.use_deterministic_algorithms(True)" in verdict.hint
+
+
+def a_seed_of_its_own(seed, rank):  # seed unused: 7 always
+    random.seed(7 + rank)
+    np.random.seed(7 + rank)
+    torch.manual_seed(7 + rank)
+    torch.use_deterministic_algorithms(True)
+
+
+def test_seed_everything_wrong_the_seed_argument_ignored():
+    verdict = diagnosis.seed_everything(a_seed_of_its_own)
+    assert not verdict and "seed 1234 and seed 1235 gave the same weights" in verdict.detail
+    assert "use the seed argument" in verdict.hint
+
+
+# -------------------------------------------------------------------------- early_stop_together
+
+
+def test_early_stop_together_solution_passes():
+    verdict = diagnosis.early_stop_together(solved("early_stop_together")["my_early_stopping"])
+    assert verdict, verdict
+    assert "both ranks stopped after 9 epochs" in verdict.detail
+
+
+def test_labkits_fixed_job_passes():
+    assert diagnosis.early_stop_together(functools.partial(diagnose.early_stopping, fixed=True))
+
+
+def stop_when_any_rank_wants(epochs=10, patience=1):
+    """The job with a stop flag all-reduced with MAX: no hang, but it stops too early."""
+    import torch.nn.functional as F
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 4, generator=gen)
+    y = x.sum(1, keepdim=True)
+    val_x = torch.randn(32, 4, generator=gen)
+    val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    best, worse, history = float("inf"), 0, []
+    for _ in range(epochs):
+        model.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p -= 0.1 * p.grad / dist.get_world_size()
+            val = F.mse_loss(model(val_x), val_y).item()
+        history.append(round(val, 5))
+        worse = 0 if val < best else worse + 1
+        best = min(best, val)
+        stop = torch.tensor([float(worse > patience)])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            break
+    return {"epochs": len(history), "val": history}
+
+
+def test_early_stop_together_wrong_any_rank_stops_every_rank():
+    verdict = diagnosis.early_stop_together(stop_when_any_rank_wants)
+    assert not verdict and "every rank stopped after 5 epochs" in verdict.detail
+    assert "improved until epoch 7" in verdict.detail
+    assert "a stop flag all-reduced with MAX" in verdict.hint
+
+
+def summed_not_averaged(epochs=10, patience=1):
+    """The fixed job, but the per-rank mean losses summed over the ranks: twice the loss."""
+    out = diagnose.early_stopping(epochs, patience=patience, fixed=True)
+    return {"epochs": out["epochs"], "val": [2 * v for v in out["val"]]}
+
+
+def test_early_stop_together_wrong_summed_not_averaged():
+    verdict = diagnosis.early_stop_together(summed_not_averaged)
+    assert not verdict and "validation losses are 2x labkit's" in verdict.detail
+    assert "all_reduce sums" in verdict.hint
+
+
+def stops_too_early(epochs=10, patience=1):
+    out = diagnose.early_stopping(epochs, patience=0, fixed=True)
+    return out
+
+
+def test_early_stop_together_wrong_stops_before_the_loss_over_all_ranks_does():
+    verdict = diagnosis.early_stop_together(stops_too_early)
+    assert not verdict and "every rank stopped after 8 epochs" in verdict.detail
+    assert "improved until epoch 7" in verdict.detail and "is patience still used" in verdict.hint
+
+
+def test_early_stop_together_wrong_answer_shape():
+    verdict = diagnosis.early_stop_together(lambda epochs, patience: 9)
+    assert not verdict and "return the dict the job returns" in verdict.hint
+
+
+# ---- the answers that hang: each costs its timeout, and the next check a fresh pool -----------
+
+
+def test_early_stop_together_wrong_the_job_as_it_was_hangs():
+    verdict = diagnosis.early_stop_together(diagnose.early_stopping, timeout=HANG_S)
+    assert not verdict and "still running after 3 s" in verdict.detail
+    assert "rank 0 still waits in a collective, and the other rank had left" in verdict.hint
+    assert "the stop decision must come out the same on every rank" in verdict.hint.lower()
+
+
+def reduce_only_when_bad(value):
+    if torch.isfinite(value).all():
+        return []
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = 1
+    dist.all_reduce(flags)  # only the ranks with a NaN get here
+    return [r for r in range(len(flags)) if flags[r] > 0]
+
+
+def test_nonfinite_ranks_wrong_a_collective_only_on_the_bad_rank_hangs():
+    verdict = diagnosis.nonfinite_ranks(reduce_only_when_bad, timeout=HANG_S)
+    assert not verdict and "still running after 3 s" in verdict.detail
+    assert re.search(r"rank [01] waited in a collective that the other rank never called",
+                     verdict.hint)
+    assert "call it on every rank, every time, finite or not" in verdict.hint
