@@ -236,8 +236,14 @@ def on_ranks(worker, *args, nproc: int = 2, timeout: float = 60.0, warm: bool = 
 
 
 def _last_frame(stack: str) -> str:
-    lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
-    return lines[-1][:160] if lines else "?"
+    """Where a stuck rank waits: the call it is in, and the line of the code that made it."""
+    # A stack dump lists the most recent call first, down to the rank's function.
+    frames = [ln.strip() for ln in stack.strip().splitlines() if ln.strip().startswith("File ")]
+    if not frames:
+        return "?"
+    waiting = frames[0].rsplit(" in ", 1)[-1]
+    origin = frames[-1].removeprefix("File ")
+    return f"waits in {waiting}, from {origin}"[:200]
 
 
 # ---- solutions and progress ------------------------------------------------------------------

@@ -210,6 +210,8 @@ def test_on_ranks_names_a_hang(tmp_path, monkeypatch):
     with pytest.raises(check.NotYet, match="still running after 8 s") as hang:
         check.on_ranks(_hangs_on_rank_0, None, timeout=8)
     assert "same collectives in the same order" in hang.value.hint
+    assert "rank 0: waits in all_reduce, from " in hang.value.detail
+    assert "in _hangs_on_rank_0" in hang.value.detail
 
 
 def test_in_band_measures_again_once_when_it_misses(capsys):
