@@ -38,6 +38,11 @@ def pid_file(rank: int | str) -> str:
     return f"pid-{rank}"
 
 
+def ready_file(rank: int | str) -> str:
+    """Written by a cold rank just before it calls the function: its start-up is over."""
+    return f"ready-{rank}"
+
+
 def result_file(rank: int | str) -> str:
     return f"result-{rank}.pkl"
 
@@ -59,6 +64,7 @@ def task_file(number: int | str) -> str:
 
 
 PIDS, RESULTS, ERRORS = pid_file("*"), result_file("*"), error_file("*")  # glob patterns
+READY = ready_file("*")
 
 
 def rank_of(name: str) -> int:

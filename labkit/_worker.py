@@ -33,6 +33,7 @@ from ._protocol import (
     fifo_file,
     pid_file,
     process_start_time,
+    ready_file,
     result_file,
     stack_file,
     task_file,
@@ -290,6 +291,8 @@ def _main_body(run_dir, rank, local_rank, world_size, cloudpickle) -> int:
             dist = _init_torch(job, device)
         if job.mode == "serve":
             return _serve(run_dir, rank, job, device, cloudpickle)
+        if job.mode != "script":  # a script forms its group itself: its timeout counts from start
+            _write(run_dir, ready_file(rank), b"")
         value = _to_cpu(_run(job, rank))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
         _write(run_dir, error_file(rank), _error_payload(exc, rank))

@@ -35,6 +35,7 @@ from ._protocol import (
     JOB_FILE,
     PIDS,
     QUIT,
+    READY,
     RESULTS,
     RUN_PREFIX,
     RUN_TASK,
@@ -54,6 +55,10 @@ from .profile import visible_gpu_count
 BACKENDS = ("auto", "gloo", "nccl")
 FRAMEWORKS = ("torch", "tensorflow")
 _STACK_WAIT = 2.0  # seconds the ranks get to dump their stacks before a timeout kills them
+# A cold run's timeout counts from the moment every rank calls the function; the start-up
+# before it (torch imported, the process group formed: seconds, minutes on a busy laptop)
+# gets max(timeout, STARTUP_S) of its own, so that a short timeout means the same everywhere.
+STARTUP_S = 120.0
 _GRACE = 3.0  # seconds between SIGTERM and SIGKILL when the controller stops a run
 _HEARTBEAT = 30.0  # a quiet run reports its progress this often
 
@@ -179,6 +184,10 @@ def launch(
 
     Raises :class:`LaunchError` naming the first failing rank with its traceback, and
     :class:`LaunchTimeout` (with every stuck rank's stack) when ``timeout`` seconds pass.
+    ``timeout`` counts from the moment every rank calls ``fn``: the start-up before it
+    (importing torch, forming the process group) has ``max(timeout, STARTUP_S)`` seconds of
+    its own, so that a short timeout for a hang means the same on a busy laptop. A script's
+    timeout counts from the start (it forms its group itself).
     """
     __tracebackhide__ = True  # IPython shows the LaunchError, not the controller's frames
     job, gpus = _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node_rank,
@@ -474,6 +483,9 @@ def _supervise(run: _Run, job: Job, nproc: int, timeout, show_ranks, command,
     bars = ProgressBars()  # the ranks' labkit.progress bars, drawn as their lines arrive
     start = time.monotonic()
     last_output = start
+    # When the timeout's clock starts: at once for a warm run or a script, else when every
+    # rank has started the function.
+    clock = start if task is not None or job.mode == "script" else None
     keep = False  # a warm run that went well leaves its ranks running for the next
     try:
         done = False
@@ -508,9 +520,14 @@ def _supervise(run: _Run, job: Job, nproc: int, timeout, show_ranks, command,
                 dead = gone
                 _await_agent(run, logs, agent_log, show, bars, task)
                 _stop(run)
-            elapsed = time.monotonic() - start
-            if timeout is not None and elapsed > timeout and run.proc.poll() is None:
-                raise _timed_out(run, nproc, timeout, logs)
+            now = time.monotonic()
+            elapsed = now - start
+            if clock is None and len(list(run.run_dir.glob(READY))) >= nproc:
+                clock = now
+            if timeout is not None and run.proc.poll() is None and (
+                    (clock is not None and now - clock > timeout)
+                    or (clock is None and elapsed > max(timeout, STARTUP_S))):
+                raise _timed_out(run, nproc, timeout, logs, started=clock is not None)
             if time.monotonic() - last_output > _HEARTBEAT:
                 running = nproc - len(list(run.run_dir.glob(RESULTS)))
                 print(_progress_line(elapsed, running, nproc))
@@ -629,7 +646,8 @@ def _rank_pids(run_dir: Path) -> dict[int, int]:
     return out
 
 
-def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict) -> LaunchTimeout:
+def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict,
+               started: bool = True) -> LaunchTimeout:
     """Ask every unfinished rank for its Python stack, then build the LaunchTimeout."""
     finished = {_rank_of(f) for f in run.run_dir.glob(RESULTS)}
     pids = _rank_pids(run.run_dir)
@@ -643,7 +661,12 @@ def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict) -> LaunchTimeo
     stacks = {r: _clean_stack((run.run_dir / stack_file(r)).read_text(errors="replace"))
               for r in stuck}
     never_started = sorted(set(range(nproc)) - set(pids)) if len(pids) < nproc else []
-    parts = [f"the run did not finish within timeout={timeout:g} s."]
+    if started:
+        parts = [f"the run did not finish within timeout={timeout:g} s."]
+    else:
+        parts = [f"the workers did not start the function within {max(timeout, STARTUP_S):g} s "
+                 f"(importing torch, forming the process group): a machine too busy, or a "
+                 f"rendezvous that never completes."]
     if stuck:
         done = ', '.join(map(str, sorted(finished)))
         parts.append(f"Stuck rank(s): {', '.join(map(str, stuck))}"

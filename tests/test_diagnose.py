@@ -366,7 +366,7 @@ def test_tools_detect_each_fault_on_every_rank_and_the_fixes_work():
 
 def test_a_skipped_allreduce_hangs_and_the_stacks_and_flight_recorder_show_where():
     with pytest.raises(LaunchTimeout) as info:
-        launch(diagnose.skipped_allreduce, dump_after=3.0, nproc=2, backend="gloo", timeout=20,
+        launch(diagnose.skipped_allreduce, dump_after=3.0, nproc=2, backend="gloo", timeout=6,
                show_ranks=[], env=diagnose.RECORDER_ENV)
     err = info.value
     assert err.stuck == [0, 1]

@@ -734,3 +734,27 @@ def test_worker_env_puts_env_over_the_controllers_but_keeps_labkits_own(monkeypa
 def test_bad_env_is_refused_before_anything_starts(env, match):
     with pytest.raises(ValueError, match=match):
         launch(rank_times, 1, nproc=1, env=env)
+
+
+def _slow_start_env(tmp_path, seconds: float) -> dict:
+    """Every Python process of the run (torchrun's agent, each rank) sleeps at start-up."""
+    (tmp_path / "sitecustomize.py").write_text(f"import time\ntime.sleep({seconds})\n")
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_the_timeout_counts_from_the_function_not_from_the_start_up(tmp_path):
+    # Start-up takes over 4 s here, the function 0.5 s: a timeout of 2 s is the function's.
+    start = time.monotonic()
+    values = launch(time.sleep, 0.5, nproc=1, timeout=2, env=_slow_start_env(tmp_path, 2.0),
+                    warm=False).values
+    assert values == [None] and time.monotonic() - start > 4
+
+
+def test_a_start_up_slower_than_its_limit_is_a_timeout_that_says_so(tmp_path, monkeypatch):
+    from labkit import launcher
+
+    monkeypatch.setattr(launcher, "STARTUP_S", 1.0)
+    with pytest.raises(LaunchTimeout, match="did not start the function within 1 s"):
+        launch(time.sleep, 0.1, nproc=1, timeout=0.5, env=_slow_start_env(tmp_path, 5.0),
+               warm=False)
+    assert not wait_no_workers(os.getpid(), within=5.0)
