@@ -78,10 +78,11 @@ class NotYet(Exception):
         ...              "was a DistributedSampler used?")
     """
 
-    def __init__(self, detail: str, hint: str):
+    def __init__(self, detail: str, hint: str, *, stuck: list[int] | None = None):
         super().__init__(detail)
         self.detail = detail
         self.hint = hint
+        self.stuck = stuck or []  # from on_ranks: the ranks a hang left waiting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +224,8 @@ def on_ranks(worker, *args, nproc: int = 2, timeout: float = 60.0, warm: bool = 
         where = "; ".join(f"rank {r}: {_last_frame(s)}" for r, s in sorted(hang.stacks.items()))
         raise NotYet(f"the ranks were still running after {timeout:g} s ({where or 'no stacks'})",
                      "every rank must call the same collectives in the same order: one that a "
-                     "rank skips (or calls once more) leaves the others waiting") from None
+                     "rank skips (or calls once more) leaves the others waiting",
+                     stuck=list(hang.stuck)) from None
     except LaunchError as failed:
         text = failed.full_message or str(failed)
         if "NotImplementedError" in text and PLACEHOLDER in text:

@@ -74,7 +74,7 @@ def _on_ranks(worker, fn, world: int, numels, index_hint: str) -> list:
         return on_ranks(worker, fn, numels, nproc=world, timeout=TIMEOUT)
     except NotYet as wrong:
         hint = wrong.hint
-        if "still running" in wrong.detail:
+        if wrong.stuck:  # a hang
             hint = _DEADLOCK
         elif "size doesn't match" in wrong.detail or "SIGABRT" in wrong.detail:
             # What gloo does when a message is larger than its receive buffer: abort the rank.

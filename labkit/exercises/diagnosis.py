@@ -9,7 +9,6 @@ runs: they call the learner's function and return plain data, compared in the gr
 from __future__ import annotations
 
 import math
-import re
 
 from ..check import NotYet, exercise, on_ranks
 
@@ -24,11 +23,6 @@ _CASES = [("finite on both ranks", 0.7, 1.3, []),
           ("NaN on rank 0, -inf on rank 1", _NAN, -_INF, [0, 1]),
           ("one NaN among a gradient's 3 values on rank 1", [0.1, 0.2, 0.3], [0.1, _NAN, 0.3],
            [1])]
-
-
-def _stuck_ranks(detail: str) -> list[int]:
-    """The ranks that :func:`on_ranks`'s hang message lists as still running."""
-    return [int(r) for r in re.findall(r"rank (\d+): ", detail)]
 
 
 def _nonfinite_worker(fn) -> list[dict]:
@@ -62,9 +56,9 @@ def nonfinite_ranks(fn, *, timeout: float = 20.0) -> str:
     try:
         ranks = on_ranks(_nonfinite_worker, fn, timeout=timeout)
     except NotYet as wrong:
-        if "still running" not in wrong.detail:
+        if not wrong.stuck:  # not a hang: the learner's exception, as on_ranks put it
             raise
-        stuck = ", ".join(map(str, _stuck_ranks(wrong.detail))) or "a rank"
+        stuck = ", ".join(map(str, wrong.stuck)) or "a rank"
         raise NotYet(wrong.detail, f"rank {stuck} waited in a collective that the other rank "
                      "never called: call it on every rank, every time, finite or not; that "
                      "call is how the finite ranks learn of the bad one") from None
@@ -198,9 +192,9 @@ def early_stop_together(fn, *, timeout: float = 20.0) -> str:
     try:
         ranks = on_ranks(_early_stop_worker, fn, timeout=timeout)
     except NotYet as wrong:
-        if "still running" not in wrong.detail:
+        if not wrong.stuck:  # not a hang: the learner's exception, as on_ranks put it
             raise
-        stuck = _stuck_ranks(wrong.detail)
+        stuck = wrong.stuck
         who = (f"rank {stuck[0]} still waits in a collective, and the other rank had left: "
                if len(stuck) == 1 else "a rank waits in a collective: ")
         raise NotYet(wrong.detail, who + "one rank left the epoch loop (its own shard's loss "
