@@ -524,8 +524,11 @@ def _supervise(run: _Run, job: Job, nproc: int, timeout, show_ranks, command,
             elapsed = now - start
             if clock is None and len(list(run.run_dir.glob(READY))) >= nproc:
                 clock = now
+            # Once every rank has returned, what is left is the launcher's teardown (the
+            # group destroyed, torchrun's agent noticing the exits): not the function's time.
             if timeout is not None and run.proc.poll() is None and (
-                    (clock is not None and now - clock > timeout)
+                    (clock is not None and now - clock > timeout
+                     and len(list(run.run_dir.glob(RESULTS))) < nproc)
                     or (clock is None and elapsed > max(timeout, STARTUP_S))):
                 raise _timed_out(run, nproc, timeout, logs, started=clock is not None)
             if time.monotonic() - last_output > _HEARTBEAT:
