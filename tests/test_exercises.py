@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -89,3 +90,21 @@ def test_the_builder_takes_notebook_stems_and_refuses_unknown_ones(capsys):
     with pytest.raises(SystemExit):
         exercises.main(["--check", "99_nope"])
     assert "no graded notebook 99_nope: choose from 00_environment_check" in capsys.readouterr().err
+
+
+def test_solutions_are_found_where_labkit_solutions_says(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "99_demo.py").write_text("# %% demo_only\nx = 1\n")
+    code = "from labkit import exercises; print(exercises.solution_blocks('99_demo'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "LABKIT_SOLUTIONS": str(tmp_path)},
+                         timeout=60)
+    assert out.stdout.strip() == "{'demo_only': 'x = 1'}", out.stderr
+
+
+def test_a_missing_solutions_folder_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(exercises, "SOLUTIONS", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="point LABKIT_SOLUTIONS at its solutions/"):
+        exercises.solution_blocks()

@@ -19,6 +19,7 @@ Importing a module imports no framework: graders import torch or TensorFlow when
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -37,7 +38,9 @@ TOPICS = {
 }
 
 ROOT = Path(__file__).resolve().parents[2]
-SOLUTIONS = ROOT / "solutions"
+# The solutions ship with the course: beside labkit in a checkout (an editable install), or
+# where LABKIT_SOLUTIONS says (the container's /workspace/solutions, labkit being a wheel).
+SOLUTIONS = Path(os.environ.get("LABKIT_SOLUTIONS") or ROOT / "solutions")
 NOTEBOOKS = ROOT / "notebooks"
 EXERCISE_LINE = re.compile(r"^# EXERCISE (\w+)", re.M)
 BLOCK_LINE = re.compile(r"^# %% (\w+)[ \t]*$", re.M)
@@ -58,7 +61,8 @@ def solution_blocks(stem: str | None = None) -> dict[str, str]:
     files = [SOLUTIONS / f"{stem}.py"] if stem else sorted(SOLUTIONS.glob("[0-9][0-9]_*.py"))
     if not SOLUTIONS.is_dir():
         raise FileNotFoundError(f"no solutions folder at {SOLUTIONS}: solutions ship with the "
-                                f"course repository (git clone it, or pip install -e it)")
+                                f"course repository; point LABKIT_SOLUTIONS at its solutions/ "
+                                f"folder, or install labkit from the checkout (pip install -e)")
     blocks: dict[str, str] = {}
     for path in files:
         if not path.is_file():
