@@ -145,7 +145,12 @@ def test_the_placeholder_is_not_written_yet_without_running_it(tmp_path, monkeyp
     def untouched(x):
         raise NotImplementedError(check.PLACEHOLDER)
 
-    for answer in (untouched, ...):
+    class Untouched:  # as the learner finds a class to write: seen without calling it
+        @staticmethod
+        def forward(ctx, x):
+            raise NotImplementedError("your code here")
+
+    for answer in (untouched, ..., Untouched):
         verdict = double_check(answer)
         assert not verdict and "not written yet" in verdict.detail
         assert "check.solution('_test_double')" in verdict.hint

@@ -8,7 +8,7 @@ pipeline runner and against the same dense layers the notebook uses.
 
 from __future__ import annotations
 
-from ..check import PLACEHOLDER, NotYet, exercise, on_ranks
+from ..check import NotYet, exercise, on_ranks
 
 NOTEBOOK = "03"
 
@@ -128,15 +128,6 @@ def pipeline_1f1b_schedule(fn) -> str:
 
 
 # ---- tensor parallelism: Megatron's f and g ---------------------------------------------------
-
-
-def _unwritten(cls) -> bool:
-    """Whether an autograd Function's forward or backward still raises the placeholder."""
-    for name in ("forward", "backward"):
-        code = getattr(getattr(cls, name, None), "__code__", None)
-        if code is not None and PLACEHOLDER in code.co_consts:
-            return True
-    return False
 
 
 def _tp_probe(copy_cls, reduce_cls, sizes=(4, 8, 16, 8), seed: int = 0) -> dict:
@@ -260,11 +251,6 @@ def tp_f_and_g(copy_cls, reduce_cls) -> str:
             raise NotYet(f"{name} is {cls!r}, not a torch.autograd.Function subclass",
                          "pass the classes themselves: exercise.tp_f_and_g(MyCopyToTP, "
                          "MyReduceFromTP)")
-        if _unwritten(cls):
-            raise NotYet(f"{cls.__name__} is not written yet (it still raises "
-                         f"NotImplementedError)",
-                         "write forward and backward of both classes, run the cell, then this "
-                         "check; check.solution('tp_f_and_g') shows one answer")
     ranks = on_ranks(_tp_probe, copy_cls, reduce_cls)
     mistake = _probe_mistake(ranks)
     if mistake is not None:
