@@ -17,11 +17,12 @@ from ..check import NotYet, exercise, on_ranks
 NOTEBOOK = "02"
 
 
-def _flat(module):
+def _flat(module, grad: bool = False):
     """Every parameter of ``module`` in one CPU float64 vector (its gradients with ``grad``)."""
     import torch
 
-    return torch.cat([p.detach().reshape(-1).double().cpu() for p in module.parameters()])
+    return torch.cat([(p.grad if grad else p).detach().reshape(-1).double().cpu()
+                      for p in module.parameters()])
 
 
 def _gap(a, b) -> float:
@@ -236,12 +237,12 @@ def _grads_on_rank(fn) -> dict:
         nn.functional.cross_entropy(model(xs), ys).backward()
         return model
 
-    reference = _flat_grads(model_and_grads(x, y))  # one process, the whole batch
+    reference = _flat(model_and_grads(x, y), grad=True)  # one process, the whole batch
     model = model_and_grads(x[rank::world], y[rank::world])  # this rank's share
-    local = _flat_grads(model)
+    local = _flat(model, grad=True)
     fn(model)
     grads = [p.grad for p in model.parameters()]
-    after = None if any(g is None for g in grads) else _flat_grads(model)
+    after = None if any(g is None for g in grads) else _flat(model, grad=True)
     return {"reference": reference, "local": local, "after": after,
             "sizes": [p.numel() for p in model.parameters()],
             "names": [name for name, _ in model.named_parameters()]}
@@ -253,12 +254,6 @@ def _parts(out: dict):
     for name, size in zip(out["names"], out["sizes"], strict=True):
         yield name, slice(start, start + size)
         start += size
-
-
-def _flat_grads(model):
-    import torch
-
-    return torch.cat([p.grad.detach().reshape(-1).double().cpu() for p in model.parameters()])
 
 
 @exercise("average_gradients", notebook=NOTEBOOK, title="average the gradients by hand")
