@@ -58,11 +58,11 @@ def load_all() -> None:
 
 def solution_blocks(stem: str | None = None) -> dict[str, str]:
     """``{exercise id: solution code}`` from ``solutions/<stem>.py`` (every notebook's if None)."""
-    files = [SOLUTIONS / f"{stem}.py"] if stem else sorted(SOLUTIONS.glob("[0-9][0-9]_*.py"))
     if not SOLUTIONS.is_dir():
         raise FileNotFoundError(f"no solutions folder at {SOLUTIONS}: solutions ship with the "
                                 f"course repository; point LABKIT_SOLUTIONS at its solutions/ "
                                 f"folder, or install labkit from the checkout (pip install -e)")
+    files = [SOLUTIONS / f"{stem}.py"] if stem else sorted(SOLUTIONS.glob("[0-9][0-9]_*.py"))
     blocks: dict[str, str] = {}
     for path in files:
         if not path.is_file():
@@ -73,8 +73,8 @@ def solution_blocks(stem: str | None = None) -> dict[str, str]:
             body = text[mark.end():nxt.start() if nxt else len(text)].strip("\n")
             if mark.group(1) in blocks:
                 raise ValueError(f"{path.name}: two solution blocks for {mark.group(1)!r}")
-            blocks[mark.group(1)] = body.rstrip() + "\n" if body.strip() else ""
-    return {k: v.rstrip("\n") for k, v in blocks.items()}
+            blocks[mark.group(1)] = body.rstrip()
+    return blocks
 
 
 def exercise_cells(nb) -> list[tuple[int, str]]:
