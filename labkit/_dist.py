@@ -1,5 +1,6 @@
 """Distributed primitives that several rooms share: the device a collective needs, syncs and
-barriers, the slowest rank's time, and timing training steps with a warm-up.
+barriers, the slowest rank's time, timing training steps with a warm-up, and the all-gather /
+reduce-scatter into one tensor under whichever name this torch has.
 
 A private module with public names: ``bench``, ``ddp``, ``perf``, ``diagnose``, ``elastic`` and
 ``labkit.parallel`` import these instead of keeping copies. Everything runs inside a worker
@@ -91,3 +92,28 @@ def time_steps(model, x, y, steps: int, warmup: int, device, group=None) -> floa
         step()
     settle()
     return time.perf_counter() - start
+
+
+def all_gather_into(output, input, group=None, async_op: bool = False):
+    """``output`` = every rank's ``input`` concatenated along dim 0, in rank order.
+
+    torch 2.14 renames ``all_gather_into_tensor`` to ``all_gather_single`` (the old name warns);
+    the NGC containers' older torch has only the old name. This calls whichever exists.
+    """
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output, input, op=None, group=None, async_op: bool = False):
+    """``output`` = this rank's slice (along dim 0) of ``input`` summed over the ranks (or ``op``).
+
+    ``reduce_scatter_single`` in torch 2.14, ``reduce_scatter_tensor`` before (see
+    :func:`all_gather_into`).
+    """
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=dist.ReduceOp.SUM if op is None else op, group=group,
+              async_op=async_op)

@@ -1,0 +1,219 @@
+"""What a rank puts on the wire: every collective and point-to-point call, counted as it runs.
+
+A byte count in a lesson should be *measured*, not just computed: this module watches the calls a
+worker really makes, hand-written (``dist.all_reduce``, ``dist.isend``) or issued by torch itself
+(FSDP2's all-gathers and reduce-scatters, DTensor's functional collectives), and reports how many
+bytes this rank sends for each. It listens at the dispatcher (a ``TorchDispatchMode``), where
+every ``torch.distributed`` operation passes whatever called it.
+
+The bytes a rank *sends* are those of the bandwidth-optimal algorithms (ring, for n ranks and a
+tensor of S bytes), the figures notebooks 00 and 06 derived:
+
+=================  ===========================================================
+all_reduce         2 (n-1)/n * S   (a reduce-scatter, then an all-gather)
+all_gather         (n-1)/n * S     (S: the gathered output)
+reduce_scatter     (n-1)/n * S     (S: the full input)
+all_to_all         the input's bytes addressed to the other ranks (its split sizes)
+send / recv        S / 0
+broadcast          S on the root, 0 elsewhere
+=================  ===========================================================
+
+NCCL may pick a tree or another algorithm for some sizes; the ring's figure is the one the
+formulas of the course use, so a measured count equals its formula exactly.
+
+Example (inside a worker)::
+
+    with traffic.count_traffic() as t:
+        dist.all_reduce(torch.ones(1024))          # 4 KiB
+    t.counts(), t.sent_bytes()                     # ({'all_reduce': 1}, 4096) on 2 ranks
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Call", "Traffic", "count_traffic", "ring_bytes"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One communication call: its kind, its tensor's bytes, the bytes this rank sent."""
+
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, broadcast, ...
+    payload_bytes: int  # S in the table of the module docstring
+    sent_bytes: int  # what this rank put on the wire
+    world: int  # ranks in the call's group
+    ranks: tuple[int, ...] = ()  # the group's global ranks (tells a 2-D mesh's dimensions apart)
+
+
+def ring_bytes(op: str, payload_bytes: int, world: int) -> int:
+    """Bytes one rank sends for ``op`` on ``payload_bytes`` over ``world`` ranks (the table above).
+
+    Example::
+
+        >>> ring_bytes("all_reduce", 4096, 4), ring_bytes("all_gather", 4096, 4)
+        (6144, 3072)
+    """
+    if world < 1:
+        raise ValueError(f"world must be at least 1 rank, not {world}")
+    if op == "all_reduce":
+        return 2 * (world - 1) * payload_bytes // world
+    if op in ("all_gather", "reduce_scatter"):
+        return (world - 1) * payload_bytes // world
+    if op == "send":
+        return payload_bytes
+    if op == "recv":
+        return 0
+    raise ValueError(f"no ring formula for {op!r}: use all_reduce, all_gather, reduce_scatter, "
+                     f"send or recv (all_to_all and broadcast depend on the splits and the root)")
+
+
+class Traffic:
+    """The calls seen inside one :func:`count_traffic` block, and their totals."""
+
+    def __init__(self):
+        self.calls: list[Call] = []
+
+    def counts(self) -> dict[str, int]:
+        """``{op: number of calls}`` in first-call order."""
+        out: dict[str, int] = {}
+        for call in self.calls:
+            out[call.op] = out.get(call.op, 0) + 1
+        return out
+
+    def by_op(self) -> dict[str, int]:
+        """``{op: bytes this rank sent}``."""
+        out: dict[str, int] = {}
+        for call in self.calls:
+            out[call.op] = out.get(call.op, 0) + call.sent_bytes
+        return out
+
+    def sent_bytes(self, op: str | None = None) -> int:
+        """Bytes this rank sent, over every call (or the calls of one ``op``)."""
+        return sum(c.sent_bytes for c in self.calls if op is None or c.op == op)
+
+    def __repr__(self) -> str:
+        return f"Traffic({self.counts()}, sent {self.sent_bytes():,} bytes)"
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of a tensor or of a (nested) list of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _group(obj):
+    """The Python ProcessGroup behind a dispatcher argument: a boxed group or a group name."""
+    if isinstance(obj, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(obj)
+    if isinstance(obj, dist.ProcessGroup):
+        return obj
+    return dist.ProcessGroup.unbox(obj)
+
+
+def _all_to_all_sent(inp, in_splits, pg) -> int:
+    """Bytes of ``inp`` addressed to the other ranks: everything but this rank's own split."""
+    n, me = pg.size(), pg.rank()
+    rows = inp.shape[0] if inp.dim() else 1
+    row_bytes = _nbytes(inp) // rows if rows else 0
+    own = list(in_splits)[me] if len(in_splits) else rows // n
+    return _nbytes(inp) - own * row_bytes
+
+
+# dispatcher op name -> (our op, index of the group argument, payload from the arguments)
+_C10D = {
+    "c10d.allreduce_": ("all_reduce", 1, lambda a: _nbytes(a[0])),
+    "c10d.allreduce_coalesced_": ("all_reduce", 1, lambda a: _nbytes(a[0])),
+    "c10d._allgather_base_": ("all_gather", 2, lambda a: _nbytes(a[0])),
+    "c10d.allgather_": ("all_gather", 2, lambda a: _nbytes(a[0])),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 2, lambda a: _nbytes(a[0])),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
+    "c10d.reduce_scatter_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
+    "c10d.alltoall_base_": ("all_to_all", 2, lambda a: _nbytes(a[1])),
+    "c10d.alltoall_": ("all_to_all", 2, lambda a: _nbytes(a[1])),
+    "c10d.send": ("send", 1, lambda a: _nbytes(a[0])),
+    "c10d.recv_": ("recv", 1, lambda a: _nbytes(a[0])),
+    "c10d.broadcast_": ("broadcast", 1, lambda a: _nbytes(a[0])),
+}
+# functional collectives (DTensor, torch.compile): the group is their last argument
+_FUNCTIONAL = {
+    "_c10d_functional.all_reduce": ("all_reduce", lambda a: _nbytes(a[0])),
+    "_c10d_functional.all_reduce_coalesced": ("all_reduce", lambda a: _nbytes(a[0])),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
+    "_c10d_functional.all_gather_into_tensor_coalesced":
+        ("all_gather", lambda a: _nbytes(a[0]) * a[1]),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", lambda a: _nbytes(a[0])),
+    "_c10d_functional.reduce_scatter_tensor_coalesced":
+        ("reduce_scatter", lambda a: _nbytes(a[0])),
+    "_c10d_functional.all_to_all_single": ("all_to_all", lambda a: _nbytes(a[0])),
+    "_c10d_functional.broadcast": ("broadcast", lambda a: _nbytes(a[0])),
+}
+
+
+class _Listener(TorchDispatchMode):
+    """Records each communication op it sees into a :class:`Traffic`; runs every op unchanged."""
+
+    def __init__(self, traffic: Traffic):
+        super().__init__()
+        self.traffic = traffic
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        call = self._call(str(func.overloadpacket), args)
+        if call is not None:
+            self.traffic.calls.append(call)
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _call(name: str, args) -> Call | None:
+        if name in _C10D:
+            op, at, payload = _C10D[name]
+            pg = _group(args[at])
+            size = payload(args)
+            if op == "all_to_all":
+                splits = args[4] if name == "c10d.alltoall_base_" else ()
+                inp = args[1] if name == "c10d.alltoall_base_" else torch.cat(
+                    [t.reshape(-1) for t in args[1]])
+                sent = _all_to_all_sent(inp, splits, pg)
+            elif op == "broadcast":
+                sent = size if pg.rank() == args[2] else 0
+            else:
+                sent = ring_bytes(op, size, pg.size())
+        elif name in _FUNCTIONAL:
+            op, payload = _FUNCTIONAL[name]
+            pg = _group(args[-1])
+            size = payload(args)
+            if op == "all_to_all":
+                sent = _all_to_all_sent(args[0], args[2], pg)
+            elif op == "broadcast":
+                sent = size if pg.rank() == args[1] else 0
+            else:
+                sent = ring_bytes(op, size, pg.size())
+        else:
+            return None
+        return Call(op, int(size), int(sent), pg.size(), tuple(dist.get_process_group_ranks(pg)))
+
+
+@contextlib.contextmanager
+def count_traffic():
+    """Count every communication call made inside the block, on this rank.
+
+    Example (inside a worker, ``labkit.launch(fn, nproc=2)``)::
+
+        >>> with count_traffic() as t:
+        ...     out = torch.empty(2 * 4)
+        ...     dist.all_gather_into_tensor(out, torch.ones(4))
+        >>> t.counts(), t.sent_bytes()
+        ({'all_gather': 1}, 16)
+    """
+    traffic = Traffic()
+    with _Listener(traffic):
+        yield traffic
