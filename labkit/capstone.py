@@ -280,9 +280,11 @@ class Recorder:
         self.record["param_sums"] = [float(p.detach().double().sum()) for p in model.parameters()]
 
 
+# torch 2.14 adds the *_single names (the *_tensor ones still work, with a warning)
 _AGGREGATING_COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-                            "all_gather_object", "gather", "gather_object", "reduce_scatter",
-                            "reduce_scatter_tensor")
+                            "all_gather_single", "all_gather_object", "gather", "gather_object",
+                            "gather_single", "reduce_scatter", "reduce_scatter_tensor",
+                            "reduce_scatter_single")
 
 
 def _call_before(stack: contextlib.ExitStack, module, name: str, before) -> None:

@@ -303,3 +303,16 @@ def test_solution_notebooks_are_stripped():
         nb = nbformat.read(path, as_version=4)
         assert not any(c.get("outputs") or c.get("execution_count") for c in nb.cells
                        if c.cell_type == "code"), f"{path.name} has outputs: run nbstripout"
+
+
+def test_the_recorder_sees_the_new_names_of_the_gathering_collectives(group):
+    import torch
+
+    recorder = capstone.Recorder(rank=0, world_size=1)
+    recorder.record["eval_samples"] = 8  # as if the learner had just evaluated
+    original = group.all_gather_single
+    with recorder.watching():
+        group.all_gather_single(torch.empty(2), torch.ones(2))
+        group.reduce_scatter_single(torch.empty(2), torch.ones(2))
+    assert recorder.record["collectives_after_eval"] >= 2
+    assert group.all_gather_single is original  # restored when the block ends
