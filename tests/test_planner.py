@@ -1,0 +1,502 @@
+"""labkit.planner: each formula on hand-computed cases, every refusal, suggest(), the published
+runs, the explorer, and two predictions checked against real runs on gloo ranks.
+
+Everything but the real runs is arithmetic (milliseconds). The real runs (DDP's all-reduce bytes,
+FSDP2's bytes held and sent) take one warm launch per rank count, 2 and 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from functools import partial
+
+import cloudpickle
+import pytest
+
+from labkit import launch, planner
+from labkit.planner import (
+    FP32_ADAM,
+    PUBLISHED,
+    Cluster,
+    Degrees,
+    Model,
+    PlanError,
+    allreduce_bytes,
+    as_degrees,
+    comm_bytes,
+    gather_bytes,
+    group_links,
+    layer_activation_bytes,
+    model_state_bytes,
+    plan,
+    predicted_vs_measured,
+    stage_activation_bytes,
+    step_seconds,
+    suggest,
+)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GiB = 2**30
+# A model with round numbers: 1e9 parameters, 8 layers of hidden 1024, 8 heads, 128 tokens.
+ONE_B = Model("1B", params=1e9, layers=8, hidden=1024, heads=8, seq_len=128, micro_batch=1)
+GPT3 = Model("gpt3", params=175e9, layers=96, hidden=12288, heads=96, seq_len=2048,
+             micro_batch=1)
+SEVEN_B = Model("7B", params=6.7e9, layers=32, hidden=4096, heads=32, seq_len=2048,
+                micro_batch=1, flash_attention=True)
+# FSDP2 shards dim 0 of every parameter; block_stack(4, 64)'s (256 and 64 rows) split evenly
+# over 2 and 4 ranks, so its bytes are exact. Uneven shards would be padded by FSDP2: the band
+# of the memory check, 1 %, allows for that padding.
+FSDP_BAND = 0.01
+
+
+# ---- ring conventions ------------------------------------------------------------------------
+
+
+def test_ring_formulas_are_labkit_traffics():
+    from labkit.parallel.traffic import ring_bytes
+
+    for n in (1, 2, 4, 8):
+        assert allreduce_bytes(4096, n) == ring_bytes("all_reduce", 4096, n)
+        assert gather_bytes(4096, n) == ring_bytes("all_gather", 4096, n)
+        assert gather_bytes(4096, n) == ring_bytes("reduce_scatter", 4096, n)
+
+
+# ---- model state -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero, params, grads, optimizer", [
+    (0, 2.0, 2.0, 12.0), (1, 2.0, 2.0, 1.5), (2, 2.0, 0.25, 1.5), (3, 0.25, 0.25, 1.5)])
+def test_zero_stages_shard_over_the_data_parallel_ranks(zero, params, grads, optimizer):
+    m = model_state_bytes(ONE_B, Degrees(dp=8, zero=zero))
+    assert (m["params"] / 1e9, m["grads"] / 1e9, m["optimizer"] / 1e9) == (params, grads,
+                                                                            optimizer)
+
+
+def test_tp_pp_divide_the_state_and_zero_shards_over_dp_times_cp():
+    m = model_state_bytes(ONE_B, Degrees(dp=2, tp=2, pp=2, cp=2, zero=1))
+    # 1e9 / (tp*pp) = 2.5e8 local parameters; the optimizer state over dp*cp = 4 ranks
+    assert (m["params"], m["grads"], m["optimizer"]) == (5e8, 5e8, 12 * 2.5e8 / 4)
+
+
+def test_zero3_buffers_hold_two_gathered_layers_and_one_layers_gradients():
+    m = model_state_bytes(ONE_B, Degrees(dp=4, pp=2, zero=3))
+    per_layer = 1e9 / 2 / 4  # 5e8 local parameters over the stage's 4 layers
+    assert m["buffers"] == (2 * 2 + 2) * per_layer
+    assert model_state_bytes(ONE_B, Degrees(dp=4, zero=2))["buffers"] == 0
+    assert model_state_bytes(ONE_B, Degrees(tp=4, zero=3))["buffers"] == 0  # nothing to gather
+
+
+def test_experts_split_over_ep_and_shard_over_the_ranks_holding_them():
+    moe = Model("moe", params=9e9, layers=8, hidden=1024, heads=8, seq_len=128, micro_batch=1,
+                experts=8, top_k=2, expert_params=8e9)
+    m = model_state_bytes(moe, Degrees(dp=8, ep=4, zero=1))
+    # dense 1e9 whole, experts 8e9 / ep=4 = 2e9; optimizer over 8 and over 8/ep = 2 ranks
+    assert m["params"] == 2 * 3e9
+    assert m["optimizer"] == 12 * (1e9 / 8 + 2e9 / 2)
+    assert moe.active_params == 1e9 + 8e9 * 2 / 8
+
+
+# ---- activations -------------------------------------------------------------------------------
+
+
+def test_megatron_layer_activations_34_plus_5as_over_h():
+    sbh = 2048 * 12288
+    assert layer_activation_bytes(GPT3, Degrees()) / sbh == 34 + 5 * 96 * 2048 / 12288
+    # tensor parallel without sequence parallelism: 10 + 24/t + 5as/(ht)
+    d = Degrees(dp=1, tp=8, sp=False)
+    assert math.isclose(layer_activation_bytes(GPT3, d) / sbh, 10 + 24 / 8 + 5 * 96 * 2048
+                        / (12288 * 8))
+    # with sequence parallelism: everything / t
+    assert math.isclose(layer_activation_bytes(GPT3, Degrees(tp=8)) / sbh, 114 / 8)
+
+
+def test_activation_options_flash_dropout_gqa_gated_cp_bytes():
+    sbh = 2048 * 12288
+    flash = dataclasses.replace(GPT3, flash_attention=True)
+    assert layer_activation_bytes(flash, Degrees()) / sbh == 34
+    no_dropout = dataclasses.replace(GPT3, dropout=False)
+    assert layer_activation_bytes(no_dropout, Degrees()) / sbh == 32 + 2 * 96 * 2048 / 12288
+    gqa = dataclasses.replace(flash, kv_heads=12)  # K and V 1/8 of Q's size
+    assert layer_activation_bytes(gqa, Degrees()) / sbh == 34 - 2 * 2 * (1 - 1 / 8)
+    gated = dataclasses.replace(flash, gated_mlp=True)  # four ffn-wide tensors, not two
+    assert layer_activation_bytes(gated, Degrees()) / sbh == 34 + 2 * 2 * 4
+    assert layer_activation_bytes(flash, Degrees(cp=4)) / sbh == 34 / 4
+    fp32 = dataclasses.replace(no_dropout, flash_attention=True, act_bytes=4)
+    assert layer_activation_bytes(fp32, Degrees()) == 2 * layer_activation_bytes(
+        dataclasses.replace(fp32, act_bytes=2), Degrees())
+
+
+def test_experts_compute_each_token_top_k_times():
+    dense = dataclasses.replace(ONE_B, flash_attention=True)
+    moe = dataclasses.replace(dense, experts=4, top_k=2, expert_params=5e8)
+    sbh = 128 * 1024
+    assert (layer_activation_bytes(moe, Degrees()) - layer_activation_bytes(dense, Degrees())
+            ) / sbh == 2 * 8 * (2 - 1)  # the two ffn-wide tensors once more
+
+
+def test_stage_zero_of_1f1b_holds_min_pp_m_micro_batches():
+    per_layer = layer_activation_bytes(ONE_B, Degrees(pp=4))
+    assert stage_activation_bytes(ONE_B, Degrees(pp=4)) == 4 * 2 * per_layer
+    assert stage_activation_bytes(ONE_B, Degrees(pp=4, microbatches=2)) == 2 * 2 * per_layer
+    assert stage_activation_bytes(ONE_B, Degrees(pp=4, microbatches=16)) == 4 * 2 * per_layer
+    # no pipeline: gradient accumulation keeps one micro-batch at a time
+    assert stage_activation_bytes(ONE_B, Degrees(microbatches=8)) == 8 * layer_activation_bytes(
+        ONE_B, Degrees())
+
+
+def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
+    ckpt = dataclasses.replace(ONE_B, activation_checkpointing=True)
+    d = Degrees(tp=2, pp=2)
+    kept = 128 * 1024 * 2 / 2  # the input, split by sequence parallelism
+    assert stage_activation_bytes(ckpt, d) == 2 * 4 * kept + layer_activation_bytes(ckpt, d)
+    no_sp = Degrees(tp=2, pp=2, sp=False)
+    assert stage_activation_bytes(ckpt, no_sp) == 2 * 4 * 2 * kept + layer_activation_bytes(
+        ckpt, no_sp)
+
+
+# ---- communication -----------------------------------------------------------------------------
+
+
+def test_dp_bytes_ddp_zero1_zero2_zero3():
+    P = 1e9 * 2  # local params bytes = grads bytes (2 each)
+    assert comm_bytes(ONE_B, Degrees(dp=8))["dp"] == 2 * 7 / 8 * P
+    assert comm_bytes(ONE_B, Degrees(dp=8, zero=1))["dp"] == 7 / 8 * (P + P)
+    assert comm_bytes(ONE_B, Degrees(dp=8, zero=2, microbatches=4))["dp"] == 7 / 8 * (4 * P + P)
+    assert comm_bytes(ONE_B, Degrees(dp=8, zero=3, microbatches=4))["dp"] == 4 * 7 / 8 * 3 * P
+    # ZeRO-3 sends 1.5 times DDP's bytes for one micro-batch
+    assert comm_bytes(ONE_B, Degrees(dp=8, zero=3))["dp"] == 1.5 * comm_bytes(
+        ONE_B, Degrees(dp=8))["dp"]
+    assert comm_bytes(ONE_B, Degrees(tp=8))["dp"] == 0
+
+
+def test_dp_bytes_with_experts_use_their_own_group():
+    moe = Model("moe", params=9e9, layers=8, hidden=1024, heads=8, seq_len=128, micro_batch=1,
+                experts=8, expert_params=8e9)
+    got = comm_bytes(moe, Degrees(dp=8, ep=4))["dp"]
+    assert got == allreduce_bytes(1e9 * 2, 8) + allreduce_bytes(2e9 * 2, 2)
+
+
+def test_tp_four_allreduces_per_layer_six_with_checkpointing():
+    A = 128 * 1024 * 2
+    d = Degrees(tp=4, pp=2, microbatches=3)
+    assert comm_bytes(ONE_B, d)["tp"] == 4 * 3 * 4 * allreduce_bytes(A, 4)
+    ckpt = dataclasses.replace(ONE_B, activation_checkpointing=True)
+    assert comm_bytes(ckpt, d)["tp"] == 6 * 3 * 4 * allreduce_bytes(A, 4)
+
+
+def test_pp_sends_one_activation_per_micro_batch_each_way():
+    A = 128 * 1024 * 2
+    assert comm_bytes(ONE_B, Degrees(pp=1, microbatches=5))["pp"] == 0
+    assert comm_bytes(ONE_B, Degrees(pp=2, microbatches=5))["pp"] == 5 * A
+    assert comm_bytes(ONE_B, Degrees(pp=4, microbatches=5))["pp"] == 2 * 5 * A
+    assert comm_bytes(ONE_B, Degrees(pp=4, tp=2, microbatches=5))["pp"] == 2 * 5 * A / 2
+
+
+def test_cp_passes_k_and_v_around_the_ring():
+    gqa = dataclasses.replace(ONE_B, kv_heads=2)  # K, V each 1/4 of the hidden size
+    A = 128 / 4 * 1024 * 2
+    assert comm_bytes(gqa, Degrees(cp=4))["cp"] == 3 * 3 * 8 * 2 * A / 4
+    ckpt = dataclasses.replace(gqa, activation_checkpointing=True)
+    assert comm_bytes(ckpt, Degrees(cp=4))["cp"] == 4 * 3 * 8 * 2 * A / 4
+
+
+def test_ep_all_to_alls_send_the_tokens_routed_elsewhere():
+    moe = Model("moe", params=9e9, layers=8, hidden=1024, heads=8, seq_len=128, micro_batch=1,
+                experts=8, top_k=2, expert_params=8e9)
+    A = 128 * 1024 * 2
+    assert comm_bytes(moe, Degrees(dp=4, ep=4))["ep"] == 4 * 8 * 3 / 4 * 2 * A
+    assert comm_bytes(ONE_B, Degrees(dp=4))["ep"] == 0
+
+
+def test_links_follow_megatrons_rank_order():
+    links = group_links(Cluster(64, 80), Degrees(dp=2, tp=4, cp=2, pp=4))
+    assert links == {"dp": "inter-node", "tp": "intra-node", "pp": "inter-node",
+                     "cp": "intra-node", "ep": None}
+    assert group_links(Cluster(8, 80), Degrees(dp=8))["dp"] == "intra-node"
+    assert group_links(Cluster(16, 80), Degrees(tp=16))["tp"] == "inter-node"
+
+
+def test_step_seconds_compute_bubble_and_links():
+    cluster = Cluster(8, 80, intra_GBps=100, inter_GBps=10, tflops=100)
+    d = Degrees(dp=2, pp=4, microbatches=8)
+    comm = comm_bytes(ONE_B, d)
+    s = step_seconds(ONE_B, cluster, d, comm)
+    tokens = 2 * 8 * 1 * 128
+    assert math.isclose(s["compute"], 6 * 1e9 * tokens / (8 * 100e12))
+    assert math.isclose(s["bubble"], s["compute"] * 3 / 8)
+    assert math.isclose(s["dp"], comm["dp"] / 100e9) and math.isclose(s["pp"], comm["pp"] / 100e9)
+    assert math.isclose(s["step"], s["compute"] + s["bubble"] + s["comm"])
+
+
+# ---- plan: the verdict ---------------------------------------------------------------------------
+
+
+def test_plan_adds_up_and_fits_against_memory_less_headroom():
+    p = plan(SEVEN_B, Cluster(8, 80), Degrees(dp=8, zero=1))
+    parts = ("params", "grads", "optimizer", "activations", "buffers")
+    assert p.memory["total"] == sum(p.memory[k] for k in parts)
+    assert p.budget == 80 * GiB * 0.9 and p.fits and p.why == ""
+    assert p.comm["total"] == sum(p.comm[k] for k in ("dp", "tp", "pp", "cp", "ep"))
+    assert p.bubble == 0 and "fits" in str(p)
+    row = p.row("mine")
+    assert row["label"] == "mine" and row["device_memory"] == 80 * GiB
+
+
+def test_why_names_the_biggest_part_and_what_helps():
+    state = plan(SEVEN_B, Cluster(8, 80), Degrees(dp=8))
+    assert not state.fits
+    assert "biggest part is optimizer" in state.why and "ZeRO-1" in state.why
+    assert "ZeRO-3" in state.why and "more tp or pp" in state.why
+    alone = plan(SEVEN_B, Cluster(1, 80), Degrees())
+    assert "ZeRO has nothing to shard over" in alone.why
+    long = dataclasses.replace(SEVEN_B, seq_len=131072)
+    acts = plan(long, Cluster(8, 80), Degrees(dp=1, tp=8, zero=1))
+    assert "biggest part is activations" in acts.why
+    assert "activation checkpointing" in acts.why and "cp to split the sequence" in acts.why
+    no_sp = plan(dataclasses.replace(long, flash_attention=False, micro_batch=2),
+                 Cluster(8, 80), Degrees(tp=8, sp=False))
+    assert "sequence parallelism" in no_sp.why and "flash attention" in no_sp.why
+    assert "smaller micro_batch" in no_sp.why
+
+
+def test_tp_across_nodes_and_too_few_micro_batches_are_warned_not_refused():
+    p = plan(SEVEN_B, Cluster(16, 80), Degrees(tp=16))
+    assert p.links["tp"] == "inter-node"
+    assert any("spans 2 nodes" in w for w in p.warnings)
+    q = plan(SEVEN_B, Cluster(8, 80), Degrees(dp=2, pp=4, microbatches=2))
+    assert any("bubble is 60%" in w for w in q.warnings)
+    assert "note:" in str(q)
+
+
+@pytest.mark.parametrize("model, cluster, degrees, message", [
+    (SEVEN_B, Cluster(8, 80), Degrees(dp=2, tp=2), "= 4, but the cluster has 8 devices.*"
+                                                   "Keep tp=2 pp=1 cp=1 and use dp=4"),
+    (SEVEN_B, Cluster(8, 80), Degrees(dp=1, tp=3), "For example dp=8 tp=1 pp=1"),
+    (SEVEN_B, Cluster(8, 80), Degrees(dp=1, pp=8), None),  # 32 layers: fine
+    (dataclasses.replace(SEVEN_B, layers=30), Cluster(8, 80), Degrees(dp=2, pp=4),
+     "30 layers do not split into pp=4 equal stages.*1, 2, 3, 5, 6, 10"),
+    (dataclasses.replace(SEVEN_B, heads=64, hidden=4096, kv_heads=2), Cluster(8, 80),
+     Degrees(dp=2, tp=4), "kv_heads=2 does not split over tp=4"),
+    (Model("odd", 1e9, 8, 1020, 12, 128, 1), Cluster(8, 80), Degrees(tp=8),
+     "heads=12 does not split over tp=8"),
+    (dataclasses.replace(SEVEN_B, seq_len=2052), Cluster(8, 80), Degrees(dp=2, cp=4),
+     "seq_len=2052 does not split into 2\\*cp=8 chunks.*zig-zag"),
+    (dataclasses.replace(SEVEN_B, seq_len=1028), Cluster(8, 80), Degrees(dp=1, tp=8),
+     "multiple of 8, or Degrees\\(sp=False\\)"),
+    (SEVEN_B, Cluster(8, 80), Degrees(dp=8, ep=2), "the model has no experts"),
+    (Model("moe", 9e9, 8, 1024, 8, 128, 1, experts=6, expert_params=8e9), Cluster(8, 80),
+     Degrees(dp=8, ep=4), "experts=6 do not split over ep=4"),
+    (Model("moe", 9e9, 8, 1024, 8, 128, 1, experts=8, expert_params=8e9), Cluster(8, 80),
+     Degrees(dp=2, tp=4, ep=4), "ep=4 must divide dp=2"),
+])
+def test_plan_refusals_say_what_to_change(model, cluster, degrees, message):
+    if message is None:
+        assert plan(model, cluster, degrees).degrees.pp == 8
+        return
+    with pytest.raises(PlanError, match=message):
+        plan(model, cluster, degrees)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: Model("m", 0, 8, 1024, 8, 128, 1), "params must be a number > 0"),
+    (lambda: Model("m", 1e9, 8.5, 1024, 8, 128, 1), "layers must be a whole number"),
+    (lambda: Model("m", 1e9, 8, 1000, 16, 128, 1), "hidden=1000 does not split into heads=16"),
+    (lambda: Model("m", 1e9, 8, 1024, 8, 128, 1, kv_heads=3), "kv_heads=3 must divide heads=8"),
+    (lambda: Model("m", 1e9, 8, 1024, 8, 128, 1, experts=2, top_k=3), "top_k=3 is more than"),
+    (lambda: Model("m", 1e9, 8, 1024, 8, 128, 1, expert_params=5e8), "experts=1"),
+    (lambda: Model("m", 1e9, 8, 1024, 8, 128, 1, experts=4), "needs expert_params"),
+    (lambda: Model("m", 1e9, 8, 1024, 8, 128, 1, act_bytes=0), "act_bytes must be a number"),
+    (lambda: Cluster(0, 80), "devices must be a whole number"),
+    (lambda: Cluster(8, -1), "memory_gib must be a number > 0"),
+    (lambda: Cluster(8, 80, headroom=1), "headroom is the fraction"),
+    (lambda: Cluster(12, 80), "12 devices do not fill nodes of 8"),
+    (lambda: Degrees(tp=0), "tp must be a whole number"),
+    (lambda: Degrees(zero=4), "zero is the ZeRO stage"),
+    (lambda: Degrees(zero=True), "zero is the ZeRO stage"),
+    (lambda: Degrees(microbatches=0), "microbatches must be a whole number"),
+    (lambda: as_degrees({"dp": 2, "zer0": 1}), "unknown keys \\['zer0'\\]"),
+    (lambda: as_degrees((2, 1, 1)), "not tuple"),
+])
+def test_descriptions_check_themselves(build, message):
+    with pytest.raises(PlanError, match=message):
+        build()
+
+
+def test_plan_error_is_a_value_error_and_degrees_come_from_dicts():
+    assert issubclass(PlanError, ValueError)
+    assert as_degrees({"dp": 4, "tp": 2, "zero": 1}) == Degrees(dp=4, tp=2, zero=1)
+    assert plan(SEVEN_B, Cluster(8, 80), {"dp": 8, "zero": 1}).fits
+    assert str(Degrees(dp=2, tp=4, sp=False)).endswith("zero=0 (no sp)")
+    assert Cluster(16, 40).nodes == 2 and str(Cluster(16, 40, name="x")) == "x"
+
+
+def test_from_module_counts_a_real_modules_parameters():
+    from labkit.parallel.memory import block_stack
+
+    m = Model.from_module(block_stack(4, 64), layers=4, hidden=64, heads=1, seq_len=1,
+                          micro_batch=8, **FP32_ADAM)
+    assert m.params == 132352 and m.name == "Sequential" and m.param_bytes == 4
+
+
+def test_predicted_vs_measured_rows_and_unknown_keys():
+    p = plan(SEVEN_B, Cluster(8, 80), Degrees(dp=8, zero=1))
+    rows = predicted_vs_measured(p, {"dp": p.comm["dp"], "params": p.memory["params"] / 2})
+    assert [r["what"] for r in rows] == ["dp bytes sent", "params bytes held"]
+    assert [r["ratio"] for r in rows] == [1.0, 0.5]
+    with pytest.raises(PlanError, match="unknown measurement 'total'"):
+        predicted_vs_measured(p, {"total": 1})
+
+
+# ---- suggest ----------------------------------------------------------------------------------
+
+
+def test_suggest_ranks_the_layouts_that_fit_by_overhead():
+    plans = suggest(SEVEN_B, Cluster(8, 80), top=5)
+    assert len(plans) == 5 and all(p.fits for p in plans)
+    overheads = [p.seconds["overhead"] for p in plans]
+    assert overheads == sorted(overheads)
+    assert all(p.degrees.tp <= 8 and p.degrees.world == 8 for p in plans)
+    # every layout fixes the same global batch: devices * micro_batch sequences
+    assert all(p.degrees.dp * p.degrees.m == 8 for p in plans)
+    assert len({str(p.degrees) for p in plans}) == 5
+    only_zero3 = suggest(SEVEN_B, Cluster(8, 80), zero=(3,), top=3, global_batch=64)
+    assert all(p.degrees.zero == 3 for p in only_zero3)
+    assert all(p.degrees.dp * p.degrees.m == 64 for p in only_zero3)
+
+
+def test_suggest_says_fits_nowhere_with_the_smallest_layout():
+    big = dataclasses.replace(SEVEN_B, params=70e9)
+    with pytest.raises(PlanError, match="fits nowhere on 2 x 16 GiB.*needs .* GiB per device, "
+                                        "14.4 GiB usable.*more devices.*checkpointing"):
+        suggest(big, Cluster(2, 16))
+    with pytest.raises(PlanError, match="no layout of 8 devices splits odd"):
+        suggest(Model("odd", 1e9, 7, 1022, 7, 3, 1), Cluster(8, 80), global_batch=3)
+
+
+# ---- published runs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_runs_fit(name):
+    run = PUBLISHED[name]
+    p = run.plan()
+    assert p.fits, p
+    assert p.degrees.world == run.cluster.devices and run.source
+
+
+def test_what_the_published_runs_relied_on():
+    gpt3 = PUBLISHED["gpt3-175b"]
+    plain = dataclasses.replace(gpt3.model, activation_checkpointing=False)
+    assert not plan(plain, gpt3.cluster, gpt3.degrees).fits  # recomputation was needed
+    llama = PUBLISHED["llama3-405b"]
+    gated = dataclasses.replace(llama.model, gated_mlp=True)
+    assert not plan(gated, llama.cluster, llama.degrees).fits  # said in its notes
+    assert "gated_mlp=True" in llama.notes
+
+
+# ---- the explorer --------------------------------------------------------------------------------
+
+
+def test_explorer_builds_redraws_and_reports_refusals():
+    import ipywidgets as widgets
+
+    box = planner.planner_explorer(SEVEN_B, Cluster(8, 80))
+    assert isinstance(box, widgets.VBox)
+    controls = box.controls
+    assert controls["preset"].options[0] == "yours" and "llama3-405b" in controls["preset"].options
+    picture = box.children[2]
+    assert picture.value[:4] == b"\x89PNG"
+    assert box.plan().degrees == Degrees(dp=8, microbatches=1) and not box.plan().fits
+    controls["zero"].value = 1
+    assert box.plan().fits and "fits" in box.children[3].value
+    before = picture.value
+    controls["tp"].value = 2
+    assert box.plan().degrees.dp == 4 and picture.value != before
+    controls["tp"].value = 8
+    controls["pp"].value = 2  # 16 ranks on 8 devices: refused, and said so
+    assert box.plan() is None and "refused" in box.children[3].value
+    controls["preset"].value = "gpt3-175b"
+    assert box.plan().fits and box.plan().degrees.pp == 8
+    box.update()
+
+
+def test_plots_draw_plans_and_checks():
+    from matplotlib import pyplot as plt
+
+    from labkit import plots
+
+    draw, check = plots.planner_plot, plots.planner_check_plot
+    rows = [p.row() for p in suggest(SEVEN_B, Cluster(8, 80), top=3)]
+    fig = draw(rows)
+    assert len(fig.axes) == 2 and len(fig.axes[0].patches) == 3 * 5
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    assert draw(rows, ax=ax) is fig and len(fig.axes) == 1
+    plt.close(fig)
+    p = plan(SEVEN_B, Cluster(8, 80), Degrees(dp=8, zero=1))
+    fig = check(predicted_vs_measured(p, {"dp": p.comm["dp"]}))
+    assert len(fig.axes[0].patches) == 2
+    plt.close(fig)
+    with pytest.raises(ValueError, match="no plans to plot"):
+        draw([])
+    with pytest.raises(ValueError, match="no rows to plot"):
+        check([])
+
+
+# ---- against real runs: DDP's and FSDP2's bytes --------------------------------------------------
+
+
+def real_runs(width: int) -> dict:
+    """On every rank: DDP's and FSDP2's bytes sent in one step, and FSDP2's bytes held."""
+    from functools import partial
+
+    from labkit.parallel.memory import block_stack, fsdp_memory
+    from labkit.planner import step_traffic
+
+    model_fn = partial(block_stack, 4, width)
+    return {"ddp": step_traffic(model_fn, wrap="ddp"), "fsdp": step_traffic(model_fn, wrap="fsdp"),
+            "held": fsdp_memory(model_fn, steps=1)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_planner_predicts_ddp_and_fsdp2_on_real_ranks(n):
+    from labkit.parallel.memory import block_stack
+
+    values = launch(real_runs, 64, nproc=n, backend="gloo", warm=True, show_ranks=[],
+                    timeout=240).values
+    model = Model.from_module(block_stack(4, 64), name="block_stack(4, 64)", layers=4,
+                              hidden=64, heads=1, seq_len=1, micro_batch=8, **FP32_ADAM)
+    ddp = plan(model, Cluster(n, 80), Degrees(dp=n))
+    fsdp = plan(model, Cluster(n, 80), Degrees(dp=n, zero=3))
+    for r in values:
+        assert r["ddp"]["n_params"] == model.params == 132352
+        # (a) DDP: exactly the planner's dp bytes, one all-reduce bucket of fp32 gradients
+        assert r["ddp"]["counts"] == {"all_reduce": 1}
+        assert r["ddp"]["sent_bytes"] == ddp.comm["dp"] == 2 * (n - 1) / n * 132352 * 4
+        # and FSDP2 sends ZeRO-3's bytes: two all-gathers and a reduce-scatter per layer
+        assert r["fsdp"]["counts"] == {"all_gather": 8, "reduce_scatter": 4}
+        assert r["fsdp"]["sent_bytes"] == fsdp.comm["dp"] == 1.5 * ddp.comm["dp"]
+        # (b) FSDP2's bytes held after a step, within the band (exact here: even shards)
+        for key in ("params", "grads", "optimizer"):
+            measured, predicted = r["held"]["sharded"][key], fsdp.memory[key]
+            assert abs(measured - predicted) <= FSDP_BAND * predicted, (key, measured, predicted)
+            assert measured == predicted
+
+
+def test_step_traffic_refuses_an_unknown_wrap(group):
+    from labkit.parallel.memory import block_stack
+
+    with pytest.raises(PlanError, match="wrap='zero'"):
+        planner.step_traffic(partial(block_stack, 1, 8), wrap="zero")
+
+
+def test_layouts_keep_one_zero_stage_where_nothing_is_sharded_and_respect_max_tp():
+    found = list(planner.layouts(SEVEN_B, Cluster(8, 80)))
+    assert all(d.zero == 0 for d in found if d.dp * d.cp == 1)
+    assert {d.zero for d in found if d.dp * d.cp > 1} == {0, 1, 2, 3}
+    assert max(d.tp for d in found) == 8
+    assert max(d.tp for d in planner.layouts(SEVEN_B, Cluster(8, 80), max_tp=2)) == 2
+    assert len(found) == len({str(d) for d in found})
