@@ -20,7 +20,7 @@ parallelism (point-to-point activations between neighbours) in between.
 - :func:`fsdp_tp_model`, :func:`fsdp_tp_step` (a worker function), with their formulas
   :func:`fsdp_tp_bytes` and :func:`fsdp_tp_traffic`;
 - :func:`dp_pp_step` (a worker function) and its formula :func:`dp_pp_traffic`;
-- :func:`held_bytes`: what a rank holds, counted from the local shards.
+- `memory.held_bytes`: what a rank holds, counted from the local shards.
 
 Each step is checked against the same step in one process on the whole batch, and every byte
 it holds or sends against its formula.
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from .._dist import collective_device
 from .._sizes import divisors, whole
 from . import traffic
-from .memory import block_stack
+from .memory import block_stack, held_bytes
 from .pipeline import split_stages, stage_builder
 
 __all__ = ["check_mesh", "mesh_groups", "mesh_2d", "held_bytes", "fsdp_tp_model",
@@ -141,38 +141,6 @@ def _wire_by_dimension(calls, groups: dict) -> dict:
 
 
 # ---- shared by both steps --------------------------------------------------------------------
-
-
-def held_bytes(model, opt) -> dict:
-    """Bytes this rank holds for training: local shards of parameters, gradients, optimizer state.
-
-    A DTensor counts its ``to_local()`` shard, a plain tensor all of itself. Adam's ``step``
-    counters (one scalar per parameter tensor, on every rank) are reported apart as
-    ``optimizer_steps``; ``padding`` is the storage allocated beyond the tensors' own elements
-    (FSDP2 pads uneven shards of parameters and gradients to the longest one).
-
-    Example::
-
-        >>> held_bytes(model, opt)["params"]        # after opt.step(), inside a worker
-        1120
-    """
-    from torch.distributed.tensor import DTensor
-
-    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
-    nbytes = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    states = [(k, v) for p in params for k, v in opt.state[p].items() if torch.is_tensor(v)]
-    held = {"params": sum(map(nbytes, params)), "grads": sum(map(nbytes, grads)),
-            "optimizer": sum(nbytes(v) for k, v in states if k != "step")}
-    held["total"] = held["params"] + held["grads"] + held["optimizer"]
-    held["optimizer_steps"] = sum(nbytes(v) for k, v in states if k == "step")
-    storages = {}
-    for t in [*params, *grads, *(v for _, v in states)]:
-        storage = local(t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    held["padding"] = sum(storages.values()) - held["total"] - held["optimizer_steps"]
-    return held
 
 
 @contextlib.contextmanager

@@ -26,7 +26,8 @@ from labkit._dist import collective_device
 from labkit._sizes import whole
 
 __all__ = ["STRATEGIES", "BYTES_PER_PARAM", "estimate_memory", "block_stack", "fsdp_memory",
-           "forward_blocks", "counting_saved_bytes", "saved_bytes", "activation_memory"]
+           "held_bytes", "forward_blocks", "counting_saved_bytes", "saved_bytes",
+           "activation_memory"]
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "tp", "pp")
 
@@ -124,8 +125,19 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _held_bytes(model, opt) -> dict:
-    """numel * element_size of every tensor this rank holds for training, by kind."""
+def held_bytes(model, opt) -> dict:
+    """Bytes this rank holds for training: local shards of parameters, gradients, optimizer state.
+
+    A DTensor counts its ``to_local()`` shard, a plain tensor all of itself. Adam's ``step``
+    counters (one scalar per parameter tensor, on every rank) are reported apart as
+    ``optimizer_steps``; ``padding`` is the storage allocated beyond the tensors' own elements
+    (FSDP2 pads uneven shards of parameters and gradients to the longest one).
+
+    Example::
+
+        >>> held_bytes(model, opt)["params"]        # after opt.step(), inside a worker
+        1120
+    """
     nbytes = lambda t: _local(t).numel() * _local(t).element_size()  # noqa: E731
     params = list(model.parameters())
     states = [(k, v) for p in params for k, v in opt.state[p].items() if torch.is_tensor(v)]
@@ -157,7 +169,7 @@ def _train_and_count(model, x, steps, device) -> dict:
         opt.zero_grad()
         model(x).float().square().mean().backward()
         opt.step()
-    held = _held_bytes(model, opt)
+    held = held_bytes(model, opt)
     held["cuda_peak"] = (torch.cuda.max_memory_allocated() - base
                          if device.type == "cuda" else None)
     return held
