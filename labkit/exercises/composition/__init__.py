@@ -1,0 +1,12 @@
+"""Notebook 10's exercises: ZeRO-2's step, the interleaved pipeline schedule, degrees that fit.
+
+One submodule per topic, each beside what it grades (:mod:`labkit.parallel.zero`,
+:mod:`labkit.parallel.schedules`, :mod:`labkit.planner`); the notebook imports this package::
+
+    from labkit.exercises import composition as exercise
+    exercise.zero2_step(my_zero2_step)
+"""
+
+from .planner import *  # noqa: F403
+from .schedules import *  # noqa: F403
+from .zero import *  # noqa: F403

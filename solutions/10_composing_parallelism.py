@@ -1,0 +1,62 @@
+# Solutions to the exercises of notebooks/10_composing_parallelism.ipynb.
+# One block per exercise cell, each starting with `# %% <exercise id>`: labkit.check.solution(id)
+# prints a block, and `python -m labkit.exercises` writes 10_composing_parallelism_solution.ipynb,
+# the notebook with these blocks in its exercise cells.
+
+# %% zero2_step
+def my_zero2_step(flat_params, flat_grad, update_shard):
+    """One ZeRO-2 step: reduce-scatter the gradient, update this rank's shard, all-gather."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shard = flat_params.numel() // world
+    grad_shard = torch.empty(shard, dtype=flat_grad.dtype, device=flat_grad.device)
+    dist.reduce_scatter_tensor(grad_shard, flat_grad)  # my slice of the SUM over the ranks
+    grad_shard /= world  # the average, what data parallelism's all-reduce and divide give
+    mine = flat_params[rank * shard:(rank + 1) * shard]  # the slice reduce-scatter gave me
+    new_shard = update_shard(mine, grad_shard)
+    dist.all_gather_into_tensor(flat_params, new_shard)  # every rank's new shard, in rank order
+
+# %% interleaved_schedule
+def my_interleaved(stages, chunks, m):
+    p, v = stages, chunks
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs m to be a multiple of p: m={m}, p={p}")
+
+    def slot(k):  # the k-th forward of a rank: groups of p micro-batches, chunk after chunk
+        group, within = divmod(k, p * v)
+        return within // p, group * p + within % p
+
+    schedule = []
+    for r in range(p):
+        total = m * v
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        forwards = [("F", *slot(k)) for k in range(total)]
+        # The backwards: the same groups, the chunks last to first.
+        backwards = [("B", v - 1 - slot(k)[0], slot(k)[1]) for k in range(total)]
+        actions = forwards[:warmup]
+        for k in range(total - warmup):  # steady state: one forward, one backward
+            actions += [forwards[warmup + k], backwards[k]]
+        actions += backwards[total - warmup:]  # cool-down
+        schedule.append(actions)
+    return schedule
+
+# %% fit_degrees
+def my_degrees(model, cluster):
+    """A layout of model on cluster that fits: the least model parallelism that does."""
+    from labkit.planner import Degrees, PlanError, plan
+
+    node, n = cluster.devices_per_node, cluster.devices
+    candidates = [Degrees(dp=n // (tp * cp * pp), tp=tp, cp=cp, pp=pp, zero=zero)
+                  for tp in (1, 2, 4, 8) if tp <= node       # tp stays on NVLink
+                  for cp in (1, 2, 4, 8)                     # cp for long sequences
+                  for pp in (1, 2, 4, 8)
+                  if n % (tp * cp * pp) == 0                 # every device gets a place
+                  for zero in (1, 3)]                        # never a full Adam state per rank
+    # Fewest model-parallel ways first (they talk in every layer), then the lighter ZeRO stage.
+    candidates.sort(key=lambda d: (d.tp * d.cp * d.pp, d.zero))
+    for d in candidates:
+        try:
+            if plan(model, cluster, d).fits:
+                return d
+        except PlanError:  # pp not dividing the layers, cp not dividing the sequence, ...
+            continue
+    raise ValueError(f"no layout fits {model.name} on {cluster}")

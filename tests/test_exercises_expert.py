@@ -1,0 +1,126 @@
+"""Notebook 09's expert_dispatch grader: the solution passes, known wrong answers get their hint.
+
+Wrong answers are caught on the local cases, before any rank starts; the solution runs on 2
+and 4 warm gloo ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from labkit import exercises
+from labkit.exercises import sequence_context_expert as exercise
+from labkit.exercises.sequence_context_expert import expert as expert_module
+
+# Ship this module's functions by value, as a notebook's are.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+STEM = "09_sequence_context_expert"
+
+
+def _solution(block: str, name: str):
+    """``name`` as solution ``block`` defines it, exec'd as the notebook would."""
+    namespace = {"__name__": "__main__", "torch": torch, "dist": dist}
+    exec(exercises.solution_blocks(STEM)[block], namespace)
+    return namespace[name]
+
+
+def test_expert_dispatch_solution_passes_on_2_and_4_ranks():
+    verdict = exercise.expert_dispatch(_solution("expert_dispatch", "my_dispatch"))
+    assert verdict, verdict
+    assert "on 2 and 4 gloo ranks" in verdict.detail and "dropped" in verdict.detail
+
+
+def test_expert_dispatch_is_registered_for_notebook_09():
+    from labkit.check import EXERCISES
+
+    ex = EXERCISES["expert_dispatch"]
+    assert ex.notebook == "09" and ex.grader == "expert_dispatch"
+    assert ex.title == "the permutation that sends each token to its expert's rank"
+    assert expert_module.__all__ == ["expert_dispatch"] and expert_module.NOTEBOOK == "09"
+
+
+def test_expert_dispatch_wrong_counts_per_expert():
+    def per_expert(expert_index, n_experts, world_size):
+        order = torch.argsort(expert_index, stable=True)
+        return order, torch.bincount(expert_index, minlength=n_experts).tolist()
+
+    verdict = exercise.expert_dispatch(per_expert)
+    assert not verdict and "counts per expert instead of per rank" in verdict.hint
+
+
+def test_expert_dispatch_wrong_not_sorted():
+    def by_token(expert_index, n_experts, world_size):
+        per_rank = n_experts // world_size
+        counts = torch.bincount(expert_index // per_rank, minlength=world_size).tolist()
+        return torch.arange(len(expert_index)), counts
+
+    verdict = exercise.expert_dispatch(by_token)
+    assert not verdict and "you forgot to sort" in verdict.hint
+    assert "is the token order" in verdict.detail
+
+
+def test_expert_dispatch_wrong_unstable_sort():
+    def newest_first(expert_index, n_experts, world_size):
+        per_rank = n_experts // world_size
+        n = len(expert_index)
+        # by expert, but the latest token first within an expert: a valid grouping, another
+        # choice of which tokens a full expert keeps
+        order = torch.argsort(expert_index * n + (n - 1 - torch.arange(n)))
+        return order, torch.bincount(expert_index // per_rank, minlength=world_size).tolist()
+
+    verdict = exercise.expert_dispatch(newest_first)
+    assert not verdict and "unstable sort" in verdict.hint and "stable=True" in verdict.hint
+
+
+def test_expert_dispatch_wrong_counts_do_not_sum_to_the_tokens():
+    def tokens_not_rows(expert_index, n_experts, world_size):
+        per_rank = n_experts // world_size
+        order = torch.argsort(expert_index, stable=True)
+        counts = torch.bincount(expert_index // per_rank, minlength=world_size)
+        return order, (counts // 2).tolist()  # halved: counted tokens, not (token, slot) rows
+
+    verdict = exercise.expert_dispatch(tokens_not_rows)
+    assert not verdict and "must sum to the number of rows" in verdict.hint
+
+
+def test_expert_dispatch_wrong_modulo_rank_mapping():
+    def modulo(expert_index, n_experts, world_size):
+        dest = expert_index % world_size  # round-robin placement: not how the ranks hold them
+        order = torch.argsort(dest * n_experts + expert_index, stable=True)
+        return order, torch.bincount(dest, minlength=world_size).tolist()
+
+    verdict = exercise.expert_dispatch(modulo)
+    assert not verdict and "off-by-one rank mapping" in verdict.hint
+    assert "expert // (n_experts // world_size), not expert % world_size" in verdict.hint
+
+
+def test_expert_dispatch_wrong_grouped_by_rank_only():
+    def by_rank(expert_index, n_experts, world_size):
+        dest = expert_index // (n_experts // world_size)
+        return torch.argsort(dest, stable=True), torch.bincount(dest,
+                                                                minlength=world_size).tolist()
+
+    verdict = exercise.expert_dispatch(by_rank)
+    assert not verdict and "not by expert within a rank" in verdict.hint
+
+
+def test_expert_dispatch_wrong_types_and_shapes():
+    verdict = exercise.expert_dispatch(lambda e, n, w: torch.argsort(e, stable=True))
+    assert not verdict and "return a pair: (order, send_counts)" in verdict.hint
+    verdict = exercise.expert_dispatch(lambda e, n, w: (e.float(), [len(e)] + [0] * (w - 1)))
+    assert not verdict and "1-D integer tensor (a LongTensor)" in verdict.hint
+    verdict = exercise.expert_dispatch(lambda e, n, w: (torch.zeros_like(e), [0] * w))
+    assert not verdict and "every row index exactly once" in verdict.hint
+
+
+def test_expert_dispatch_placeholder_is_not_written_yet():
+    def stub(expert_index, n_experts, world_size):
+        raise NotImplementedError("your code here")
+
+    verdict = exercise.expert_dispatch(stub)
+    assert not verdict and "not written yet" in verdict.detail
