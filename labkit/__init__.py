@@ -27,6 +27,12 @@ notebook's code lives in the rooms named for its topic:
 - 08 capstone: ``capstone`` (the grader), ``ddp`` (the scaling report; ``predict_efficiency``
   for the case studies), ``train``, ``data``, ``augment``, ``models``, ``perf`` (peak FLOP/s),
   ``plots``.
+- 09 sequence, context and expert parallelism: ``parallel.transformer`` (the running example),
+  ``parallel.sequence``, ``parallel.context``, ``parallel.expert``, ``parallel.traffic`` (the
+  bytes each rank sends, counted), ``plots``.
+- 10 composing parallelisms: ``parallel.compose`` (2-D meshes), ``parallel.schedules``
+  (interleaved and zero-bubble pipelines), ``parallel.zero`` (ZeRO-1/2 by hand), ``planner``
+  (memory and communication predicted for any DP/TP/PP/CP/EP layout), ``plots``.
 
 Private modules with public names hold what several rooms share: ``_dist`` (the device a
 collective needs, barriers, the slowest rank's time, timed training steps), ``_sizes`` (the
@@ -60,7 +66,8 @@ _LAZY = {
 }
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",
-                 "capstone", "ddp", "perf", "diagnose", "elastic", "resources", "slurm")
+                 "capstone", "ddp", "perf", "diagnose", "elastic", "resources", "slurm",
+                 "planner")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

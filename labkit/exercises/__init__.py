@@ -35,6 +35,8 @@ TOPICS = {
     "05_problem_diagnosis": "diagnosis",
     "06_custom_algorithms": "custom_algorithms",
     "07_resources_multinode": "resources",
+    "09_sequence_context_expert": "sequence_context_expert",
+    "10_composing_parallelism": "composition",
 }
 
 ROOT = Path(__file__).resolve().parents[2]
