@@ -1,4 +1,5 @@
-"""Counts and sizes: the one whole-number check, and divisor suggestions for error messages."""
+"""Counts and sizes: the one whole-number check, and divisor and multiple suggestions for error
+messages."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ def divisors(n: int, limit: int = 8, *, proper: bool = False) -> list[int]:
     if proper:
         found = [d for d in found if 1 < d < n]
     return found[:limit]
+
+
+def multiples_near(n: int, k: int) -> str:
+    """The multiples of ``k`` on either side of ``n``, for error messages: ``"8 or 12"``.
+
+    Below ``k`` there is no smaller multiple: ``k`` alone (``"4"``).
+    """
+    lower = n - n % k
+    return f"{lower} or {lower + k}" if lower else f"{k}"

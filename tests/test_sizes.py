@@ -9,3 +9,11 @@ def test_divisors_in_order_up_to_64_and_the_limit():
     assert divisors(1000, proper=True) == [2, 4, 5, 8, 10, 20, 25, 40]
     assert divisors(7, proper=True) == [] and divisors(7) == [1, 7]
     assert divisors(128) == [1, 2, 4, 8, 16, 32, 64]  # 128 itself is past the search
+
+
+def test_multiples_near_names_the_multiples_on_either_side():
+    from labkit._sizes import multiples_near
+
+    assert multiples_near(10, 4) == "8 or 12"
+    assert multiples_near(1000, 3) == "999 or 1002"
+    assert multiples_near(3, 4) == "4"  # nothing below k: k itself

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._dist import collective_device
-from .._sizes import divisors, whole
+from .._sizes import divisors, multiples_near, whole
 from . import traffic
 from .memory import block_stack, held_bytes
 from .pipeline import split_stages, stage_builder
@@ -203,10 +203,8 @@ def _mean_over(value: float, group, device) -> float:
 def _split_batch(batch: int, parts: int, what: str) -> int:
     """``batch // parts``, or a ValueError that names batches that split."""
     if batch % parts:
-        lower, upper = batch - batch % parts, batch - batch % parts + parts
-        sizes = f"{lower} or {upper}" if lower else f"{upper}"
         raise ValueError(f"a batch of {batch} does not split over {what}: use a multiple of "
-                         f"{parts} (e.g. {sizes})")
+                         f"{parts} (e.g. {multiples_near(batch, parts)})")
     return batch // parts
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from labkit._dist import collective_device
+from labkit._sizes import multiples_near
 from labkit.parallel import transformer
 
 __all__ = ["ORDERS", "block_attention", "merge", "shard_sequence",
@@ -121,14 +122,12 @@ def _check_length(seq: int, world: int, order: str) -> int:
     pieces = world * (2 if order == "zigzag" else 1)
     if seq % pieces == 0 and seq > 0:
         return seq // pieces
-    lower, upper = seq - seq % pieces, seq - seq % pieces + pieces
-    sizes = f"{lower} or {upper}" if lower else f"{upper}"
     if order == "zigzag":
         raise ValueError(f"sequence length {seq} does not split into 2 x {world} = {pieces} "
-                         f"zigzag chunks: use a multiple of {pieces} (e.g. {sizes}), or "
-                         f"order='contiguous'")
+                         f"zigzag chunks: use a multiple of {pieces} (e.g. "
+                         f"{multiples_near(seq, pieces)}), or order='contiguous'")
     raise ValueError(f"sequence length {seq} does not split over {world} ranks: use a multiple "
-                     f"of {world} (e.g. {sizes})")
+                     f"of {world} (e.g. {multiples_near(seq, pieces)})")
 
 
 def _check_rank(rank, world):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit._dist import collective_device
-from labkit._sizes import divisors, whole
+from labkit._sizes import divisors, multiples_near, whole
 
 __all__ = ["MoE", "ExpertParallelMoE", "expert_parallel", "route", "expert_capacity",
            "apply_experts", "load_balancing_loss", "dispatch_order", "expert_owner",
@@ -221,9 +221,8 @@ def _check_split(n_experts, world):
     if n_experts % world:
         ok = ", ".join(map(str, divisors(n_experts, 4)))
         raise ValueError(f"{n_experts} experts do not split over {world} ranks: use a multiple "
-                         f"of {world} experts (e.g. {world * max(1, n_experts // world)} or "
-                         f"{world * (n_experts // world + 1)}), or a number of ranks that "
-                         f"divides {n_experts} (e.g. {ok})")
+                         f"of {world} experts (e.g. {multiples_near(n_experts, world)}), or a "
+                         f"number of ranks that divides {n_experts} (e.g. {ok})")
     return n_experts // world
 
 

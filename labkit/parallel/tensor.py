@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit._dist import collective_device
-from labkit._sizes import divisors, whole
+from labkit._sizes import divisors, multiples_near, whole
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "split_to_tp",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "dense_mlp", "tp_mlp",
@@ -190,9 +190,7 @@ def check_split(n: int, tp: int, what: str = "out_features") -> int:
     """
     if n % tp == 0:
         return n // tp
-    lower, upper = n - n % tp, n - n % tp + tp
-    sizes = f"{lower} or {upper}" if lower else f"{upper}"
-    hint = f"use a multiple of {tp} (e.g. {sizes})"
+    hint = f"use a multiple of {tp} (e.g. {multiples_near(n, tp)})"
     if divisors(n, proper=True):
         hint += (f", or a TP degree that divides {n} "
                  f"(e.g. {', '.join(map(str, divisors(n, 4, proper=True)))})")

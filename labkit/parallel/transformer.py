@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit._sizes import whole
+from labkit._sizes import multiples_near, whole
 
 __all__ = ["attention", "split_heads", "merge_heads", "SlicedDropout", "Block", "block_input",
            "block_stack", "check_heads"]
@@ -56,10 +56,8 @@ def check_heads(hidden: int, heads: int) -> int:
     whole(hidden, "hidden")
     whole(heads, "heads")
     if hidden % heads:
-        lower, upper = hidden - hidden % heads, hidden - hidden % heads + heads
-        sizes = f"{lower} or {upper}" if lower else f"{upper}"
         raise ValueError(f"hidden {hidden} does not split into {heads} heads: use a hidden size "
-                         f"that is a multiple of {heads} (e.g. {sizes})")
+                         f"that is a multiple of {heads} (e.g. {multiples_near(hidden, heads)})")
     return hidden // heads
 
 

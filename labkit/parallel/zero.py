@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from labkit._dist import all_gather_into, collective_device, reduce_scatter_into
-from labkit._sizes import whole
+from labkit._sizes import multiples_near, whole
 
 from . import traffic
 from .memory import block_stack, estimate_memory, fsdp_memory
@@ -494,9 +494,8 @@ def zero3_traffic(width: int, depth: int, seed: int = 0, *, batch: int = 8) -> d
     world, rank = dist.get_world_size(), dist.get_rank()
     if width % world:
         raise ValueError(f"width {width} does not split over {world} ranks: use a multiple of "
-                         f"{world} (e.g. {world * max(1, width // world)} or "
-                         f"{world * (width // world + 1)}), so that FSDP2 needs no padding and "
-                         f"the traffic formula is exact")
+                         f"{world} (e.g. {multiples_near(width, world)}), so that FSDP2 needs no "
+                         f"padding and the traffic formula is exact")
     device = collective_device()
     torch.manual_seed(seed)
     model = block_stack(depth, width).to(device)
