@@ -38,6 +38,8 @@ def every_kind_of_call() -> dict:
             work.wait()
         dist.broadcast(torch.ones(5), 0)
     plain = {"counts": t.counts(), "by_op": t.by_op(), "ranks": t.calls[0].ranks}
+    with count_traffic() as lists:  # the list form: one tensor per destination, its own kept
+        dist.all_to_all([torch.empty(3) for _ in range(n)], [torch.ones(3) for _ in range(n)])
 
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(2)))
     for layer in model:
@@ -50,8 +52,8 @@ def every_kind_of_call() -> dict:
     d = distribute_tensor(torch.ones(4 * n, 4), mesh, [Shard(0)])
     with count_traffic() as functional:
         d.redistribute(mesh, [Replicate()]).to_local()
-    return {"plain": plain, "fsdp": fsdp.by_op(), "fsdp_counts": fsdp.counts(),
-            "functional": functional.by_op()}
+    return {"plain": plain, "lists": lists.by_op(), "fsdp": fsdp.by_op(),
+            "fsdp_counts": fsdp.counts(), "functional": functional.by_op()}
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -69,6 +71,7 @@ def test_each_call_is_counted_with_the_bytes_its_rank_sends(n):
             "all_to_all": (sum(r + 1 + k for k in range(n)) - own) * 2 * 4,
             "broadcast": 20 if r == 0 else 0}
         assert plain["ranks"] == tuple(range(n))
+        assert got["lists"] == {"all_to_all": (n - 1) * 3 * 4}
         layer_bytes = 8 * 8 * 4
         # FSDP2: both layers all-gathered in forward and again in backward, gradients scattered
         assert got["fsdp_counts"] == {"all_gather": 4, "reduce_scatter": 2}

@@ -119,13 +119,16 @@ def _group(obj):
     return dist.ProcessGroup.unbox(obj)
 
 
-def _all_to_all_sent(inp, in_splits, pg) -> int:
-    """Bytes of ``inp`` addressed to the other ranks: everything but this rank's own split."""
-    n, me = pg.size(), pg.rank()
+def _own_bytes(name: str, args, pg) -> int:
+    """Bytes of an all-to-all's input that this rank addresses to itself (never sent)."""
+    if name == "c10d.alltoall_":  # a list of tensors, one per destination rank
+        return _nbytes(args[1][pg.rank()])
+    # one tensor cut along dim 0 by the split sizes (equal parts when there are none)
+    inp, splits = (args[1], args[4]) if name == "c10d.alltoall_base_" else (args[0], args[2])
     rows = inp.shape[0] if inp.dim() else 1
     row_bytes = _nbytes(inp) // rows if rows else 0
-    own = list(in_splits)[me] if len(in_splits) else rows // n
-    return _nbytes(inp) - own * row_bytes
+    own = list(splits)[pg.rank()] if len(splits) else rows // pg.size()
+    return own * row_bytes
 
 
 # dispatcher op name -> (our op, index of the group argument, payload from the arguments)
@@ -177,28 +180,20 @@ class _Listener(TorchDispatchMode):
         if name in _C10D:
             op, at, payload = _C10D[name]
             pg = _group(args[at])
-            size = payload(args)
-            if op == "all_to_all":
-                splits = args[4] if name == "c10d.alltoall_base_" else ()
-                inp = args[1] if name == "c10d.alltoall_base_" else torch.cat(
-                    [t.reshape(-1) for t in args[1]])
-                sent = _all_to_all_sent(inp, splits, pg)
-            elif op == "broadcast":
-                sent = size if pg.rank() == args[2] else 0
-            else:
-                sent = ring_bytes(op, size, pg.size())
+            root = args[2] if op == "broadcast" else None
         elif name in _FUNCTIONAL:
             op, payload = _FUNCTIONAL[name]
             pg = _group(args[-1])
-            size = payload(args)
-            if op == "all_to_all":
-                sent = _all_to_all_sent(args[0], args[2], pg)
-            elif op == "broadcast":
-                sent = size if pg.rank() == args[1] else 0
-            else:
-                sent = ring_bytes(op, size, pg.size())
+            root = args[1] if op == "broadcast" else None
         else:
             return None
+        size = payload(args)
+        if op == "all_to_all":
+            sent = size - _own_bytes(name, args, pg)
+        elif op == "broadcast":
+            sent = size if pg.rank() == root else 0
+        else:
+            sent = ring_bytes(op, size, pg.size())
         return Call(op, int(size), int(sent), pg.size(), tuple(dist.get_process_group_ranks(pg)))
 
 
