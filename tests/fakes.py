@@ -13,3 +13,19 @@ def allreduce_rows(ranks, alpha, beta):
     """All-reduce sweep rows that follow ``seconds = alpha + bytes * beta`` exactly."""
     return [{"bytes": b, "seconds": alpha + b * beta, "ranks": ranks}
             for b in message_sizes(1 << 10, 1 << 20)]
+
+
+def solution_namespace(stem: str, block: str, **names) -> dict:
+    """What solution ``block`` of ``solutions/<stem>.py`` defines, run as a notebook cell would.
+
+    The namespace starts as the notebook's first cell leaves it (torch and torch.distributed
+    imported as ``torch`` and ``dist``), plus ``names``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from labkit import exercises
+
+    namespace = {"__name__": "__main__", "torch": torch, "dist": dist, **names}
+    exec(exercises.solution_blocks(stem)[block], namespace)
+    return namespace

@@ -10,11 +10,11 @@ import sys
 
 import cloudpickle
 import torch
-import torch.distributed as dist
 
-from labkit import exercises
 from labkit.exercises import sequence_context_expert as exercise
 from labkit.exercises.sequence_context_expert import expert as expert_module
+
+from .fakes import solution_namespace
 
 # Ship this module's functions by value, as a notebook's are.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -24,9 +24,7 @@ STEM = "09_sequence_context_expert"
 
 def _solution(block: str, name: str):
     """``name`` as solution ``block`` defines it, exec'd as the notebook would."""
-    namespace = {"__name__": "__main__", "torch": torch, "dist": dist}
-    exec(exercises.solution_blocks(STEM)[block], namespace)
-    return namespace[name]
+    return solution_namespace(STEM, block)[name]
 
 
 def test_expert_dispatch_solution_passes_on_2_and_4_ranks():

@@ -10,18 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import exercises
 from labkit.exercises import model_parallel as mp
 from labkit.parallel import pipeline, tensor
+
+from .fakes import solution_namespace
 
 STEM = "03_model_parallelism"
 
 
 def _solution(name: str):
     """The object the solution block of ``name`` defines, exec'd as the notebook would."""
-    namespace = {"__name__": "__main__", "torch": torch, "dist": dist}
-    exec(exercises.solution_blocks(STEM)[name], namespace)
-    return namespace
+    return solution_namespace(STEM, name)
 
 
 # ---- pipeline_1f1b_schedule -------------------------------------------------------------------

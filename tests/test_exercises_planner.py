@@ -5,21 +5,17 @@ The grader is arithmetic (labkit.planner.plan on each case): no ranks, milliseco
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from labkit import exercises
 from labkit.exercises.composition import planner as ex
 from labkit.planner import Degrees
+
+from .fakes import solution_namespace
 
 STEM = "10_composing_parallelism"
 
 
 def _solution(name: str):
     """The object the solution block of ``name`` defines, exec'd as the notebook would."""
-    namespace = {"__name__": "__main__", "torch": torch, "dist": dist}
-    exec(exercises.solution_blocks(STEM)[name], namespace)
-    return namespace
+    return solution_namespace(STEM, name)
 
 
 def _answers(**by_devices):

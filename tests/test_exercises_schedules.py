@@ -5,22 +5,18 @@ The passing run plays the schedule on 2 warm gloo ranks; the wrong answers are c
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from labkit import exercises
 from labkit.exercises import composition
 from labkit.exercises.composition import schedules as graders
 from labkit.parallel import pipeline, schedules
+
+from .fakes import solution_namespace
 
 STEM = "10_composing_parallelism"
 
 
 def _solution(name: str):
     """The object the solution block of ``name`` defines, exec'd as the notebook would."""
-    namespace = {"__name__": "__main__", "torch": torch, "dist": dist}
-    exec(exercises.solution_blocks(STEM)[name], namespace)
-    return namespace
+    return solution_namespace(STEM, name)
 
 
 def _interleaved(stages, chunks, m, *, warmup=None, forward=None, backward=None, check=True):
