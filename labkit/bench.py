@@ -8,8 +8,8 @@ with ``torch.distributed`` already initialised, which is what ``labkit.launch`` 
 The helpers (:func:`message_sizes`, :func:`bus_bandwidth`, :func:`fit_alpha_beta`, the
 alpha-beta model :func:`link_model` and :func:`ring_seconds`) are plain Python. Results are plain
 dicts so they can be printed, saved and handed to ``labkit.plots.bandwidth_plot``; nothing here
-plots. :func:`main` is ``python -m labkit bench``: it prints the launch overhead, the all-reduce
-sweep, DDP's efficiency (``labkit.ddp``) and VGG16's throughput (``labkit.perf``).
+plots. The ``print_*`` functions are what ``python -m labkit bench`` (:mod:`labkit.cli`) prints
+for the launch overhead and the all-reduce sweep.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 from ._dist import barrier, collective_device, slowest, sync
 
 __all__ = ["message_sizes", "bus_bandwidth", "fit_alpha_beta", "check_allreduce",
-           "allreduce_sweep", "link_model", "ring_seconds", "launch_overhead", "BENCHMARKS",
-           "main"]
+           "allreduce_sweep", "link_model", "ring_seconds", "launch_overhead",
+           "print_launch_overhead", "print_allreduce_sweep"]
 
 _FLOAT32 = 4  # bytes per element of the tensors the sweep reduces
 
@@ -326,24 +326,8 @@ def launch_overhead(repeats: int = 5, nproc: int = 2, warm_runs: int = 20) -> di
             "warm_ratio": median_warm / median_launch}
 
 
-def _print_ddp(rows: list[dict]) -> None:
-    weak = {r["workers"]: r for r in rows if r["mode"] == "weak"}
-    free = {r["workers"]: r for r in rows if r["mode"] == "independent"}
-    n = max(weak)
-    print(f"DDP weak scaling (convnet, {weak[1]['per_worker_batch']} images per worker, one "
-          f"thread each, {weak[1]['grad_bytes'] / 1e3:.0f} kB of gradients per step)")
-    print(f"  {'workers':>7}  {'mode':<12}  {'samples/s':>10}  {'step ms':>8}  {'efficiency':>10}")
-    for r in rows:
-        if r["mode"] == "independent" and r["workers"] == 1:
-            continue
-        print(f"  {r['workers']:>7}  {r['mode']:<12}  {r['samples_per_s']:>10.1f}  "
-              f"{r['step_s'] * 1e3:>8.1f}  {r['efficiency']:>10.3f}")
-    print(f"  efficiency {n} workers = {weak[n]['efficiency']:.3f}   (target >= 0.90)")
-    print(f"  hardware ceiling (no communication) = {free[n]['efficiency']:.3f};  "
-          f"DDP / ceiling = {weak[n]['samples_per_s'] / free[n]['samples_per_s']:.3f}")
-
-
-def _print_launch(r: dict) -> None:
+def print_launch_overhead(r: dict) -> None:
+    """What ``python -m labkit bench launch`` prints for :func:`launch_overhead`'s dict."""
     print(f"launch overhead ({r['nproc']} workers, trivial all_reduce, "
           f"{r['repeats']} alternated cold runs, {r['warm_runs']} warm runs)")
     print(f"  cold  labkit.launch  median {r['launch_s']:.2f} s   "
@@ -358,7 +342,9 @@ def _print_launch(r: dict) -> None:
     print(f"  warm / cold = {r['warm_ratio']:.3f}   (target <= 0.05, and warm <= 0.10 s)")
 
 
-def _print_allreduce(rows: list[dict]) -> None:
+def print_allreduce_sweep(rows: list[dict]) -> None:
+    """What ``python -m labkit bench allreduce`` prints for :func:`allreduce_sweep`'s rows:
+    time and bus bandwidth per size, each algorithm's alpha-beta fit, the ring model."""
     n = rows[0]["ranks"]
     names = list(dict.fromkeys(r.get("algorithm", "builtin") for r in rows))
     by = {(r.get("algorithm", "builtin"), r["bytes"]): r for r in rows}
@@ -391,65 +377,3 @@ def _print_allreduce(rows: list[dict]) -> None:
 
 def _fmt_list(xs) -> str:
     return " ".join(f"{x:.2f}" for x in xs)
-
-
-def _print_vgg16(rows: list[dict]) -> None:
-    r = rows[0]
-    print(f"VGG16 training step (forward + backward + SGD) on {r['device']} ({r['device_name']}): "
-          f"{r['image_size']} px, width {r['width']:g}, batch {r['batch_size']}")
-    print(f"  {r['train_flops_per_image'] / 3e9:.3g} GFLOP forward per image, 3x that per "
-          f"training step")
-    print(f"  {'variant':<28}  {'images/s':>9}  {'TFLOP/s':>8}  {'MFU':>6}  peak used")
-    for r in rows:
-        if r["skipped"]:
-            print(f"  {r['variant']:<28}  skipped: {r['skipped']}")
-            continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        peak = (f"{r['precision']} {r['peak_tflops']:g} TFLOP/s" if r["peak_tflops"]
-                else f"{r['precision']}: no peak known for {r['device_name']}")
-        print(f"  {r['variant']:<28}  {r['images_per_s']:>9.1f}  {r['tflops']:>8.3g}  "
-              f"{mfu:>6}  {peak}")
-
-
-BENCHMARKS = ("launch", "allreduce", "ddp", "vgg16")
-
-
-def main(which: str = "all", repeats: int = 5, nproc: int | None = None) -> int:
-    """``python -m labkit bench [all|launch|allreduce|ddp|vgg16]``: run benchmarks, print figures.
-
-    ``--repeats`` sets the launch benchmark's runs; ``--nproc`` the ranks of allreduce (4:
-    the hand-written ring and recursive doubling beside the built-in) and ddp (2); vgg16
-    picks its sizes from the device.
-    """
-    chosen = BENCHMARKS if which == "all" else (which,)
-    unknown = [b for b in chosen if b not in BENCHMARKS]
-    if unknown:
-        print(f"labkit bench: unknown benchmark {unknown[0]!r}; choose from all, "
-              f"{', '.join(BENCHMARKS)}", file=sys.stderr)
-        return 2
-    if repeats < 1:
-        print(f"labkit bench: --repeats must be >= 1, got {repeats}", file=sys.stderr)
-        return 2
-    if nproc is not None and nproc < 2:
-        print(f"labkit bench: --nproc must be >= 2 (one rank has nothing to measure), got {nproc}",
-              file=sys.stderr)
-        return 2
-    if "launch" in chosen:
-        _print_launch(launch_overhead(repeats=repeats))
-    if "allreduce" in chosen:
-        from .launcher import launch
-
-        ranks = nproc or 4
-        algorithms = ("builtin", "ring") + (("doubling",) if ranks & (ranks - 1) == 0 else ())
-        sizes = message_sizes(1 << 10, 16 << 20)
-        _print_allreduce(launch(allreduce_sweep, sizes, iters=10, algorithms=algorithms,
-                                nproc=ranks, show_ranks=[]).values[0])
-    if "ddp" in chosen:
-        from .ddp import ddp_efficiency
-
-        _print_ddp(ddp_efficiency(nproc or 2, repeats=repeats))
-    if "vgg16" in chosen:  # in this process: one device, no workers needed
-        from .perf import vgg16_throughput
-
-        _print_vgg16(vgg16_throughput())
-    return 0

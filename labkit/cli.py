@@ -32,10 +32,58 @@ def _launch(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    from . import bench
+BENCHMARKS = ("launch", "allreduce", "ddp", "vgg16")
 
-    return bench.main(args.which, repeats=args.repeats, nproc=args.nproc)
+
+def bench(which: str = "all", repeats: int = 5, nproc: int | None = None) -> int:
+    """``python -m labkit bench [all|launch|allreduce|ddp|vgg16]``: run benchmarks, print figures.
+
+    ``--repeats`` sets the launch benchmark's runs; ``--nproc`` the ranks of allreduce (4:
+    the hand-written ring and recursive doubling beside the built-in) and ddp (2); vgg16
+    picks its sizes from the device. The measuring and the printing live in the rooms that own
+    them (``bench``, ``ddp``, ``perf``); the command line only calls them, so none of those
+    rooms imports another to serve the command line.
+    """
+    chosen = BENCHMARKS if which == "all" else (which,)
+    unknown = [b for b in chosen if b not in BENCHMARKS]
+    if unknown:
+        print(f"labkit bench: unknown benchmark {unknown[0]!r}; choose from all, "
+              f"{', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    if repeats < 1:
+        print(f"labkit bench: --repeats must be >= 1, got {repeats}", file=sys.stderr)
+        return 2
+    if nproc is not None and nproc < 2:
+        print(f"labkit bench: --nproc must be >= 2 (one rank has nothing to measure), got {nproc}",
+              file=sys.stderr)
+        return 2
+    if "launch" in chosen:
+        from . import bench as timing
+
+        timing.print_launch_overhead(timing.launch_overhead(repeats=repeats))
+    if "allreduce" in chosen:
+        from . import bench as timing
+        from . import launcher
+
+        ranks = nproc or 4
+        algorithms = ("builtin", "ring") + (("doubling",) if ranks & (ranks - 1) == 0 else ())
+        sizes = timing.message_sizes(1 << 10, 16 << 20)
+        timing.print_allreduce_sweep(launcher.launch(
+            timing.allreduce_sweep, sizes, iters=10, algorithms=algorithms, nproc=ranks,
+            show_ranks=[]).values[0])
+    if "ddp" in chosen:
+        from . import ddp
+
+        ddp.print_efficiency(ddp.ddp_efficiency(nproc or 2, repeats=repeats))
+    if "vgg16" in chosen:  # in this process: one device, no workers needed
+        from . import perf
+
+        perf.print_vgg16_throughput(perf.vgg16_throughput())
+    return 0
+
+
+def _bench(args) -> int:
+    return bench(args.which, repeats=args.repeats, nproc=args.nproc)
 
 
 def _slurm(args) -> int:

@@ -35,8 +35,8 @@ from .bench import link_model, ring_seconds
 
 __all__ = ["per_worker_batch", "save_on_rank0", "replica_divergence", "SCALING_MODES",
            "machine_workers", "worker_counts", "measure_scaling", "predict_scaling",
-           "predict_efficiency", "ddp_efficiency", "wide_mlp", "counting_allreduces",
-           "count_allreduces", "bucket_sweep"]
+           "predict_efficiency", "ddp_efficiency", "print_efficiency", "wide_mlp",
+           "counting_allreduces", "count_allreduces", "bucket_sweep"]
 
 
 def _world_size(world_size: int | None) -> int:
@@ -413,6 +413,24 @@ def ddp_efficiency(nproc: int = 2, *, repeats: int = 3, steps: int = 20,
     return measure_scaling([1, nproc], modes=("weak", "independent"), threads=1,
                            per_worker_batch=per_worker_batch, steps=steps, warmup=3,
                            repeats=repeats, backend="gloo")
+
+
+def print_efficiency(rows: list[dict]) -> None:
+    """What ``python -m labkit bench ddp`` prints for :func:`ddp_efficiency`'s rows."""
+    weak = {r["workers"]: r for r in rows if r["mode"] == "weak"}
+    free = {r["workers"]: r for r in rows if r["mode"] == "independent"}
+    n = max(weak)
+    print(f"DDP weak scaling (convnet, {weak[1]['per_worker_batch']} images per worker, one "
+          f"thread each, {weak[1]['grad_bytes'] / 1e3:.0f} kB of gradients per step)")
+    print(f"  {'workers':>7}  {'mode':<12}  {'samples/s':>10}  {'step ms':>8}  {'efficiency':>10}")
+    for r in rows:
+        if r["mode"] == "independent" and r["workers"] == 1:
+            continue
+        print(f"  {r['workers']:>7}  {r['mode']:<12}  {r['samples_per_s']:>10.1f}  "
+              f"{r['step_s'] * 1e3:>8.1f}  {r['efficiency']:>10.3f}")
+    print(f"  efficiency {n} workers = {weak[n]['efficiency']:.3f}   (target >= 0.90)")
+    print(f"  hardware ceiling (no communication) = {free[n]['efficiency']:.3f};  "
+          f"DDP / ceiling = {weak[n]['samples_per_s'] / free[n]['samples_per_s']:.3f}")
 
 
 # ---- DDP internals: gradient buckets, all-reduces counted, overlap with backward ----------

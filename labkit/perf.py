@@ -35,7 +35,8 @@ from .parallel.memory import counting_saved_bytes
 __all__ = ["AMP_MODES", "HOOKS", "compare_steps", "time_step", "grad_scaler_check",
            "loader_throughput", "compare_loaders", "accumulation_check", "powersgd_bytes",
            "comm_hook_sweep", "overlap_check", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
-           "vgg16_throughput", "profile_top_ops", "timing_verdict", "result_row", "results_table"]
+           "vgg16_throughput", "print_vgg16_throughput", "profile_top_ops", "timing_verdict",
+           "result_row", "results_table"]
 
 AMP_MODES = (None, "bf16", "fp16")
 HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -743,6 +744,25 @@ def vgg16_throughput(variants=VGG16_VARIANTS, *, device=None, image_size: int | 
 
 
 # ---- profiler and the results table ----------------------------------------------------------
+
+
+def print_vgg16_throughput(rows: list[dict]) -> None:
+    """What ``python -m labkit bench vgg16`` prints for :func:`vgg16_throughput`'s rows."""
+    r = rows[0]
+    print(f"VGG16 training step (forward + backward + SGD) on {r['device']} ({r['device_name']}): "
+          f"{r['image_size']} px, width {r['width']:g}, batch {r['batch_size']}")
+    print(f"  {r['train_flops_per_image'] / 3e9:.3g} GFLOP forward per image, 3x that per "
+          f"training step")
+    print(f"  {'variant':<28}  {'images/s':>9}  {'TFLOP/s':>8}  {'MFU':>6}  peak used")
+    for r in rows:
+        if r["skipped"]:
+            print(f"  {r['variant']:<28}  skipped: {r['skipped']}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        peak = (f"{r['precision']} {r['peak_tflops']:g} TFLOP/s" if r["peak_tflops"]
+                else f"{r['precision']}: no peak known for {r['device_name']}")
+        print(f"  {r['variant']:<28}  {r['images_per_s']:>9.1f}  {r['tflops']:>8.3g}  "
+              f"{mfu:>6}  {peak}")
 
 
 def profile_top_ops(fn, n: int = 10, *, steps: int = 3, warmup: int = 1, trace=None) -> list[dict]:

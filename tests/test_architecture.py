@@ -1,4 +1,5 @@
-"""The package's rooms keep to themselves: no module reaches for another module's `_private` names.
+"""The package's rooms keep to themselves: no module reaches for another module's `_private` names,
+and no modules import each other in a circle.
 
 Read from the source with `ast`, so the rule holds for code paths no test runs. A name that
 several modules need is made public (without the underscore) in the module that owns it, or
@@ -118,3 +119,89 @@ def test_the_checker_finds_each_kind_of_private_use(tmp_path, monkeypatch):
         "labkit.check._verdict",
         "labkit.augment._check_batch",
     ]
+
+
+# ---- no import cycles ---------------------------------------------------------------------
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path, known) -> set[str]:
+    """The labkit modules ``path`` imports, at the top or inside a function (a lazy import still
+    ties the two rooms together): ``from . import plots`` is ``labkit.plots``, ``from .bench import
+    x`` is ``labkit.bench``, ``import labkit.parallel.memory`` is that module."""
+    module = _module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node, path.name == "__init__.py")
+            if not source.startswith("labkit"):
+                continue
+            for alias in node.names:
+                # ``from labkit.parallel import memory`` names a module; ``from .bench import x``
+                # names something inside one.
+                found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known
+                          else source)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("labkit"))
+    return {name for name in found if name in known and name != module}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected group of more than one module (Tarjan's algorithm), sorted."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(groups)
+
+
+def test_labkits_modules_import_each_other_without_a_cycle():
+    modules = _modules()
+    graph = {name: imported_modules(path, modules) for name, path in modules.items()}
+    assert sum(map(len, graph.values())) > 50  # the reader sees the imports it should
+    assert "labkit.bench" in graph["labkit.ddp"]
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_sees_a_lazy_import_that_closes_a_circle(tmp_path, monkeypatch):
+    fake = tmp_path / "labkit"
+    (fake / "parallel").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "parallel" / "__init__.py").write_text("")
+    (fake / "bench.py").write_text("def main():\n    from .ddp import efficiency\n")
+    (fake / "ddp.py").write_text("from .bench import fit\nfrom labkit.parallel import memory\n")
+    (fake / "parallel" / "memory.py").write_text("from .. import ddp\n")
+    (fake / "plots.py").write_text("import labkit.bench\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    modules = _modules()
+    graph = {name: imported_modules(path, modules) for name, path in modules.items()}
+    assert graph["labkit.plots"] == {"labkit.bench"}
+    assert import_cycles(graph) == [["labkit.bench", "labkit.ddp", "labkit.parallel.memory"]]
+    (fake / "bench.py").write_text("def main():\n    pass\n")
+    graph = {name: imported_modules(path, _modules()) for name, path in modules.items()}
+    assert import_cycles(graph) == [["labkit.ddp", "labkit.parallel.memory"]]

@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from labkit import bench, ddp, perf
+from labkit import bench, cli, ddp, perf
 from labkit.bench import (
-    BENCHMARKS,
     allreduce_sweep,
     bus_bandwidth,
     check_allreduce,
@@ -183,8 +182,8 @@ def test_sweep_on_a_gpu_with_nccl(nccl_group):
 def test_bench_vgg16_prints_the_table(monkeypatch, capsys):
     real = perf.vgg16_throughput
     monkeypatch.setattr(perf, "vgg16_throughput", lambda: real(device="cpu", **VGG_TINY))
-    assert "vgg16" in BENCHMARKS
-    assert bench.main("vgg16") == 0
+    assert "vgg16" in cli.BENCHMARKS
+    assert cli.bench("vgg16") == 0
     out = capsys.readouterr().out
     assert "VGG16 training step (forward + backward + SGD) on cpu" in out
     assert "32 px, width 0.0625, batch 2" in out
@@ -231,7 +230,7 @@ def test_bench_allreduce_prints_each_algorithm_its_ratio_and_the_model(monkeypat
         return type("Result", (), {"values": [rows] * n})()
 
     monkeypatch.setattr("labkit.launcher.launch", fake_launch)
-    assert bench.main("allreduce") == 0
+    assert cli.bench("allreduce") == 0
     out = capsys.readouterr().out
     assert calls["nproc"] == 4 and calls["algorithms"] == ("builtin", "ring", "doubling")
     assert "ring/builtin" in out and "doubling/builtin" in out
@@ -240,9 +239,9 @@ def test_bench_allreduce_prints_each_algorithm_its_ratio_and_the_model(monkeypat
     assert "fit ring: alpha = 75.0 us, bandwidth = 0.53 GB/s" in out
     assert ("ring model 2(n-1)(alpha + S/n/B) with the builtin's link "
             "(alpha 10.0 us, B 1.00 GB/s)") in out
-    assert bench.main("allreduce", nproc=3) == 0  # 3 ranks: no recursive doubling (needs 2^k)
+    assert cli.bench("allreduce", nproc=3) == 0  # 3 ranks: no recursive doubling (needs 2^k)
     assert calls["algorithms"] == ("builtin", "ring")
-    assert bench.main("allreduce", nproc=1) == 2
+    assert cli.bench("allreduce", nproc=1) == 2
     assert "--nproc must be >= 2" in capsys.readouterr().err
 
 
@@ -252,8 +251,8 @@ def test_bench_ddp_prints_efficiency_and_the_ceiling(monkeypatch, capsys):
     batches = dict.fromkeys(times, 64)
     monkeypatch.setattr(ddp, "ddp_efficiency",
                         lambda nproc, repeats: ddp._scaling_rows(times, batches, 264872))
-    assert "ddp" in BENCHMARKS
-    assert bench.main("ddp") == 0
+    assert "ddp" in cli.BENCHMARKS
+    assert cli.bench("ddp") == 0
     out = capsys.readouterr().out
     assert "64 images per worker, one thread each, 265 kB of gradients" in out
     assert "efficiency 2 workers = 0.800   (target >= 0.90)" in out

@@ -90,11 +90,11 @@ def test_pytest_figures_count_and_list_failures_and_skip_reasons():
 
 
 def test_vgg16_figures_read_the_table_labkit_bench_prints(capsys):
-    from labkit import bench
+    from labkit import perf
 
     row = {"device": "cuda:0", "device_name": "NVIDIA H200", "image_size": 224, "width": 1.0,
            "batch_size": 128, "train_flops_per_image": 3 * 15.5e9, "skipped": None}
-    bench._print_vgg16([
+    perf.print_vgg16_throughput([
         {**row, "variant": "fp32", "precision": "tf32", "peak_tflops": 494.7,
          "images_per_s": 1234.56, "tflops": 57.4, "mfu": 0.116},
         {**row, "variant": "bf16+channels_last", "precision": "bf16", "peak_tflops": 989.4,

@@ -802,7 +802,7 @@ def test_stop_workers_stops_every_pool_of_the_kernel(pool):
 def test_the_launch_benchmark_prints_cold_and_warm_side_by_side(capsys):
     from labkit import bench
 
-    bench._print_launch({"nproc": 2, "repeats": 3, "launch_s": 3.0, "torchrun_s": 2.9,
+    bench.print_launch_overhead({"nproc": 2, "repeats": 3, "launch_s": 3.0, "torchrun_s": 2.9,
                          "ratio": 3.0 / 2.9, "launch_all_s": [3.0, 3.1, 2.9],
                          "torchrun_all_s": [2.9, 2.9, 3.0], "warm_runs": 20, "warm_s": 0.012,
                          "warm_all_s": [0.012] * 20, "pool_start_s": 3.4,
