@@ -37,7 +37,27 @@ def every_kind_of_call() -> dict:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         dist.broadcast(torch.ones(5), 0)
-    plain = {"counts": t.counts(), "by_op": t.by_op(), "ranks": t.calls[0].ranks}
+    plain = {"counts": t.counts(), "by_op": t.by_op(), "ranks": t.calls[0].ranks,
+             "peers": [(c.op, c.peer) for c in t.calls if c.op in ("send", "recv")]}
+    with count_traffic() as rooted:  # the rooted collectives, rooted on the last rank
+        last = n - 1
+        dist.reduce(torch.ones(6), last)  # 24 B
+        dist.gather(torch.ones(2, dtype=torch.float64),  # 16 B each, a dtype of 8 bytes
+                    [torch.empty(2, dtype=torch.float64) for _ in range(n)] if r == last else None,
+                    last)
+        dist.scatter(torch.empty(3), [torch.ones(3) for _ in range(n)] if r == last else None,
+                     last)  # 12 B a part
+        dist.all_gather([torch.empty(2) for _ in range(n)], torch.ones(2))  # the list form
+        dist.reduce_scatter(torch.empty(2), [torch.ones(2) for _ in range(n)])
+        dist.barrier()  # moves no data: not counted
+        if r == 0:  # point to point, a rank that sends nothing (the others) included
+            for k in range(1, n):
+                dist.send(torch.ones(k, dtype=torch.int64), k)
+        else:
+            dist.recv(torch.empty(r, dtype=torch.int64), 0)
+    rooted = {"by_op": rooted.by_op(), "counts": rooted.counts(),
+              "roots": {c.op: c.root for c in rooted.calls if c.root is not None},
+              "peers": [(c.op, c.peer) for c in rooted.calls if c.peer is not None]}
     with count_traffic() as lists:  # the list form: one tensor per destination, its own kept
         dist.all_to_all([torch.empty(3) for _ in range(n)], [torch.ones(3) for _ in range(n)])
 
@@ -52,7 +72,7 @@ def every_kind_of_call() -> dict:
     d = distribute_tensor(torch.ones(4 * n, 4), mesh, [Shard(0)])
     with count_traffic() as functional:
         d.redistribute(mesh, [Replicate()]).to_local()
-    return {"plain": plain, "lists": lists.by_op(), "fsdp": fsdp.by_op(),
+    return {"plain": plain, "rooted": rooted, "lists": lists.by_op(), "fsdp": fsdp.by_op(),
             "fsdp_counts": fsdp.counts(), "functional": functional.by_op()}
 
 
@@ -71,6 +91,19 @@ def test_each_call_is_counted_with_the_bytes_its_rank_sends(n):
             "all_to_all": (sum(r + 1 + k for k in range(n)) - own) * 2 * 4,
             "broadcast": 20 if r == 0 else 0}
         assert plain["ranks"] == tuple(range(n))
+        assert plain["peers"] == [("send", (r + 1) % n), ("recv", (r - 1) % n)]
+        rooted, last = got["rooted"], n - 1
+        sends = {"send": sum(range(1, n)) * 8} if r == 0 else {"recv": 0}
+        assert rooted["by_op"] == {
+            "reduce": 0 if r == last else 24, "gather": 0 if r == last else 16,
+            "scatter": (n - 1) * 12 if r == last else 0, "all_gather": (n - 1) * 8,
+            "reduce_scatter": (n - 1) * 8, **sends}
+        assert rooted["counts"] == {"reduce": 1, "gather": 1, "scatter": 1, "all_gather": 1,
+                                    "reduce_scatter": 1, **({"send": n - 1} if r == 0
+                                                            else {"recv": 1})}
+        assert rooted["roots"] == {"reduce": last, "gather": last, "scatter": last}
+        assert rooted["peers"] == ([("send", k) for k in range(1, n)] if r == 0
+                                   else [("recv", 0)])
         assert got["lists"] == {"all_to_all": (n - 1) * 3 * 4}
         layer_bytes = 8 * 8 * 4
         # FSDP2: both layers all-gathered in forward and again in backward, gradients scattered

@@ -14,12 +14,17 @@ all_reduce         2 (n-1)/n * S   (a reduce-scatter, then an all-gather)
 all_gather         (n-1)/n * S     (S: the gathered output)
 reduce_scatter     (n-1)/n * S     (S: the full input)
 all_to_all         the input's bytes addressed to the other ranks (its split sizes)
-send / recv        S / 0
-broadcast          S on the root, 0 elsewhere
+send / recv        S / 0   (``isend``/``irecv`` and ``batch_isend_irecv`` alike)
+broadcast          S on the root, 0 elsewhere   (a pipelined chain: each rank passes S on once)
+reduce             S on every rank but the root, 0 on the root   (the chain the other way)
+gather             S on every rank but the root (its own tensor), 0 on the root
+scatter            the parts for the other ranks on the root, 0 elsewhere
 =================  ===========================================================
 
 NCCL may pick a tree or another algorithm for some sizes; the ring's figure is the one the
-formulas of the course use, so a measured count equals its formula exactly.
+formulas of the course use, so a measured count equals its formula exactly. A barrier moves no
+data and is not counted. Each call also notes its ``peer`` (the rank a send goes to, a receive
+comes from) and ``root``, in the group's numbering, so a grader can follow a ring.
 
 Example (inside a worker)::
 
@@ -44,11 +49,14 @@ __all__ = ["Call", "Traffic", "count_traffic", "ring_bytes"]
 class Call:
     """One communication call: its kind, its tensor's bytes, the bytes this rank sent."""
 
-    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, broadcast, ...
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, send, recv, broadcast, reduce,
+    # gather, scatter
     payload_bytes: int  # S in the table of the module docstring
     sent_bytes: int  # what this rank put on the wire
     world: int  # ranks in the call's group
     ranks: tuple[int, ...] = ()  # the group's global ranks (tells a 2-D mesh's dimensions apart)
+    peer: int | None = None  # send: the destination, recv: the source (-1: any); group ranks
+    root: int | None = None  # broadcast, reduce, gather, scatter: the root, a group rank
 
 
 def ring_bytes(op: str, payload_bytes: int, world: int) -> int:
@@ -131,21 +139,27 @@ def _own_bytes(name: str, args, pg) -> int:
     return own * row_bytes
 
 
-# dispatcher op name -> (our op, index of the group argument, payload from the arguments)
+# dispatcher op name -> (our op, index of the group argument, payload from the arguments,
+# index of the root or peer argument, or None)
 _C10D = {
-    "c10d.allreduce_": ("all_reduce", 1, lambda a: _nbytes(a[0])),
-    "c10d.allreduce_coalesced_": ("all_reduce", 1, lambda a: _nbytes(a[0])),
-    "c10d._allgather_base_": ("all_gather", 2, lambda a: _nbytes(a[0])),
-    "c10d.allgather_": ("all_gather", 2, lambda a: _nbytes(a[0])),
-    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 2, lambda a: _nbytes(a[0])),
-    "c10d._reduce_scatter_base_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
-    "c10d.reduce_scatter_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
-    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 2, lambda a: _nbytes(a[1])),
-    "c10d.alltoall_base_": ("all_to_all", 2, lambda a: _nbytes(a[1])),
-    "c10d.alltoall_": ("all_to_all", 2, lambda a: _nbytes(a[1])),
-    "c10d.send": ("send", 1, lambda a: _nbytes(a[0])),
-    "c10d.recv_": ("recv", 1, lambda a: _nbytes(a[0])),
-    "c10d.broadcast_": ("broadcast", 1, lambda a: _nbytes(a[0])),
+    "c10d.allreduce_": ("all_reduce", 1, lambda a: _nbytes(a[0]), None),
+    "c10d.allreduce_coalesced_": ("all_reduce", 1, lambda a: _nbytes(a[0]), None),
+    "c10d._allgather_base_": ("all_gather", 2, lambda a: _nbytes(a[0]), None),
+    "c10d.allgather_": ("all_gather", 2, lambda a: _nbytes(a[0]), None),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 2, lambda a: _nbytes(a[0]), None),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 2, lambda a: _nbytes(a[1]), None),
+    "c10d.reduce_scatter_": ("reduce_scatter", 2, lambda a: _nbytes(a[1]), None),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 2, lambda a: _nbytes(a[1]), None),
+    "c10d.alltoall_base_": ("all_to_all", 2, lambda a: _nbytes(a[1]), None),
+    "c10d.alltoall_": ("all_to_all", 2, lambda a: _nbytes(a[1]), None),
+    "c10d.send": ("send", 1, lambda a: _nbytes(a[0]), 2),
+    "c10d.recv_": ("recv", 1, lambda a: _nbytes(a[0]), 2),
+    "c10d.recv_any_source_": ("recv", 1, lambda a: _nbytes(a[0]), None),
+    "c10d.broadcast_": ("broadcast", 1, lambda a: _nbytes(a[0]), 2),
+    "c10d.reduce_": ("reduce", 1, lambda a: _nbytes(a[0]), 3),
+    "c10d.gather_": ("gather", 2, lambda a: _nbytes(a[1]), 3),
+    # S is what the root scatters: every rank's output (one part) times the ranks
+    "c10d.scatter_": ("scatter", 2, lambda a: _nbytes(a[0]), 3),
 }
 # functional collectives (DTensor, torch.compile): the group is their last argument
 _FUNCTIONAL = {
@@ -160,6 +174,20 @@ _FUNCTIONAL = {
     "_c10d_functional.all_to_all_single": ("all_to_all", lambda a: _nbytes(a[0])),
     "_c10d_functional.broadcast": ("broadcast", lambda a: _nbytes(a[0])),
 }
+
+
+def _sent(op: str, size: int, name: str, args, pg, root) -> int:
+    """What this rank puts on the wire for one call of ``op`` on ``size`` bytes (the table)."""
+    rank, world = pg.rank(), pg.size()
+    if op == "all_to_all":
+        return size - _own_bytes(name, args, pg)
+    if op == "broadcast":
+        return size if rank == root else 0
+    if op in ("reduce", "gather"):
+        return 0 if rank == root else size
+    if op == "scatter":
+        return (world - 1) * size // world if rank == root else 0
+    return ring_bytes(op, size, world)
 
 
 class _Listener(TorchDispatchMode):
@@ -177,24 +205,26 @@ class _Listener(TorchDispatchMode):
 
     @staticmethod
     def _call(name: str, args) -> Call | None:
+        peer = root = None
         if name in _C10D:
-            op, at, payload = _C10D[name]
+            op, at, payload, where = _C10D[name]
             pg = _group(args[at])
-            root = args[2] if op == "broadcast" else None
+            if op in ("send", "recv"):
+                peer = int(args[where]) if where is not None else -1
+            elif where is not None:
+                root = int(args[where])
         elif name in _FUNCTIONAL:
             op, payload = _FUNCTIONAL[name]
             pg = _group(args[-1])
-            root = args[1] if op == "broadcast" else None
+            root = int(args[1]) if op == "broadcast" else None
         else:
             return None
         size = payload(args)
-        if op == "all_to_all":
-            sent = size - _own_bytes(name, args, pg)
-        elif op == "broadcast":
-            sent = size if pg.rank() == root else 0
-        else:
-            sent = ring_bytes(op, size, pg.size())
-        return Call(op, int(size), int(sent), pg.size(), tuple(dist.get_process_group_ranks(pg)))
+        if op == "scatter":  # one part per rank: the output's bytes, the root's to keep
+            size *= pg.size()
+        sent = _sent(op, size, name, args, pg, root)
+        return Call(op, int(size), int(sent), pg.size(), tuple(dist.get_process_group_ranks(pg)),
+                    peer, root)
 
 
 @contextlib.contextmanager
