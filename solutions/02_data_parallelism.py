@@ -41,3 +41,38 @@ def my_lr(step, global_batch, *, base_lr, base_batch, warmup_steps):
     if warmup_steps == 0:
         return target
     return target * min(1.0, (step + 1) / warmup_steps)  # linear warm-up over warmup_steps
+
+# %% bucketed_ddp
+def my_bucketed_ddp(model, bucket_numel):
+    world = dist.get_world_size()
+    buckets = []  # parameters in the order backward produces their gradients, packed
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        if buckets and sum(q.numel() for q in buckets[-1]) + p.numel() <= bucket_numel:
+            buckets[-1].append(p)
+        else:
+            buckets.append([p])
+    ready = [0] * len(buckets)
+    pending = []  # (work, flat gradient, bucket) started during this backward
+
+    def hook_for(b):
+        def hook(p):  # runs once p.grad holds this backward's gradient
+            ready[b] += 1
+            if ready[b] == len(buckets[b]):  # the bucket's last gradient: send it now
+                ready[b] = 0  # counted afresh in the next backward
+                flat = torch.cat([q.grad.reshape(-1) for q in buckets[b]])
+                pending.append((dist.all_reduce(flat, async_op=True), flat, buckets[b]))
+        return hook
+
+    for b, bucket in enumerate(buckets):
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(hook_for(b))
+
+    def wait():
+        for work, flat, bucket in pending:
+            work.wait()
+            flat /= world  # the sum over the ranks becomes the mean
+            for q, part in zip(bucket, flat.split([q.numel() for q in bucket])):
+                q.grad.copy_(part.view_as(q))
+        pending.clear()
+
+    return wait

@@ -358,3 +358,247 @@ def scaled_lr_warmup(fn) -> str:
                              f"{got:g}, expected {want:g}", hint)
     return (f"{len(_LR_CASES)} schedules, 100 steps each: scaled by global_batch / base_batch, "
             f"ramped over warmup_steps")
+
+
+# ==== challenge: DDP from scratch, gradient buckets all-reduced from backward hooks ==========
+# Graded on 2 and 4 ranks: weights after two SGD steps against one process on the global batch,
+# and the route (one all-reduce per bucket, each bucket's bytes, started while backward runs).
+
+_BUCKET_CASES = (  # (dtype, bucket_numel, first layer frozen)
+    ("float32", 40, False),  # 4 buckets: [4.bias 4.weight 2.bias] [2.weight] [0.bias] [0.weight]
+    ("float64", 30, True),  # 3 buckets over the trainable layers only, in double precision
+)
+_BUCKET_STEPS = 2  # the second step shows whether the hooks re-arm after each backward
+_BUCKET_TOL = {"float32": 1e-5, "float64": 1e-10}
+_BUCKET_RULE = ("take the parameters with requires_grad in reverse order of model.parameters(); "
+                "a bucket takes them one by one until the next would make it exceed bucket_numel "
+                "elements (one bigger than that gets a bucket of its own)")
+
+
+def _bucket_model(dtype: str, frozen: bool):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 3)).to(getattr(torch, dtype))
+    if frozen:
+        model[0].requires_grad_(False)
+    return model
+
+
+def _buckets(sizes: list[int], bucket_numel: int) -> list[list[int]]:
+    """The indices into ``sizes`` (parameters in model order) of each bucket, in send order."""
+    buckets: list[list[int]] = []
+    for i in reversed(range(len(sizes))):
+        if buckets and sum(sizes[j] for j in buckets[-1]) + sizes[i] <= bucket_numel:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def _bucketed_ddp_worker(fn, cases) -> list[dict]:
+    """On each rank, for each case: the learner's ``fn(model, bucket_numel)``, two SGD steps."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ..parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype, cap, frozen in cases:
+        gen = torch.Generator().manual_seed(1)
+        batches = [(torch.randn(3 * world, 6, generator=gen).to(getattr(torch, dtype)),
+                    torch.randint(0, 3, (3 * world,), generator=gen))
+                   for _ in range(_BUCKET_STEPS)]
+        reference = _bucket_model(dtype, frozen)  # one process on the global batch
+        ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+        ref_grads = []
+        for x, y in batches:
+            ref_opt.zero_grad()
+            nn.functional.cross_entropy(reference(x), y).backward()
+            ref_grads.append([None if p.grad is None else p.grad.clone()
+                              for p in reference.parameters()])
+            ref_opt.step()
+        model = _bucket_model(dtype, frozen)
+        wait = fn(model, cap)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        earliest = next(m for m in model if any(p.requires_grad for p in m.parameters()))
+        steps = []
+        for x, y in batches:
+            mine = slice(3 * rank, 3 * rank + 3)
+            opt.zero_grad()
+            seen: list[int] = []  # all-reduces issued when each of the earliest layer's grads came
+            with traffic.count_traffic() as during:
+                probes = [p.register_hook(lambda g, seen=seen, t=during: seen.append(len(t.calls)))
+                          for p in earliest.parameters()]
+                nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+            for probe in probes:
+                probe.remove()
+            if not callable(wait):
+                out.append({"returned": type(wait).__name__})
+                break
+            with traffic.count_traffic() as after:
+                wait()
+            steps.append({
+                "during": [(c.op, c.payload_bytes) for c in during.calls],
+                "sent_during": during.sent_bytes(),
+                "after": [(c.op, c.payload_bytes) for c in after.calls],
+                "before_earliest": min(seen) if seen else None,
+                "grads": [None if p.grad is None else p.grad.detach().clone()
+                          for p in model.parameters()],
+            })
+            opt.step()
+        else:
+            out.append({"steps": steps, "ref_grads": ref_grads,
+                        "params": [p.detach().clone() for p in model.parameters()],
+                        "ref_params": [p.detach().clone() for p in reference.parameters()],
+                        "names": [n for n, _ in model.named_parameters()],
+                        "trainable": [p.requires_grad for p in model.parameters()],
+                        "earliest": [any(p is q for q in earliest.parameters())
+                                     for p in model.parameters()]})
+    return out
+
+
+def _bucket_route(step: int, got: dict, want: list[int], early: int, esize: int,
+                  sizes: list[int], where: str) -> None:
+    """Raise NotYet unless step ``step`` issued one all-reduce per bucket, of its size, in time."""
+    from ..parallel.traffic import ring_bytes
+
+    calls = got["during"] + got["after"]
+    others = sorted({op for op, _ in calls if op != "all_reduce"})
+    if others:
+        raise NotYet(f"{where}, step {step}: it called {', '.join(others)} besides all_reduce",
+                     "each bucket is one dist.all_reduce of the bucket's flat gradient, nothing "
+                     "else: every rank already holds the same weights")
+    numels = [b // esize for _, b in calls]
+    if not calls and step > 1:
+        raise NotYet(f"{where}: step 1 all-reduced, step 2 issued no all-reduce",
+                     "the hooks fire on every backward, but each bucket must count its ready "
+                     "gradients afresh: reset a bucket's count (and buffer) once it is sent")
+    if not calls:
+        raise NotYet(f"{where}, step {step}: no all-reduce was issued",
+                     "register a hook on every parameter with requires_grad "
+                     "(p.register_post_accumulate_grad_hook) that, when its bucket is full, "
+                     "starts dist.all_reduce(flat, async_op=True)")
+    if sorted(numels) != sorted(want):
+        sent = sorted(b for _, b in calls)
+        other = next((size for size in (2, 4, 8) if size != esize
+                      and sent == sorted(n * size for n in want)), None)
+        if other:
+            raise NotYet(f"{where}, step {step}: the buckets went out as {other}-byte numbers "
+                         f"in a model of {esize}-byte ones",
+                         "build each bucket's flat buffer in the gradients' dtype (torch.cat of "
+                         "the gradients keeps it; torch.zeros(n) is float32)")
+        if sorted(numels) == sorted(sizes):
+            hint = ("one all-reduce per parameter is what buckets avoid (each call pays the "
+                    "latency): pack the gradients into buckets, " + _BUCKET_RULE)
+        elif len(numels) > len(want) and set(numels) <= set(want):
+            hint = ("a bucket was all-reduced more than once: start a bucket's all-reduce once, "
+                    "when its last gradient arrives, and reset it for the next backward")
+        else:
+            hint = _BUCKET_RULE
+        raise NotYet(f"{where}, step {step}: all-reduces of {numels} elements; the buckets are "
+                     f"{want}", hint)
+    if got["after"]:
+        raise NotYet(f"{where}, step {step}: {len(got['after'])} of {len(calls)} all-reduces "
+                     f"were started in wait(), after backward returned",
+                     "start each bucket's all-reduce from a gradient hook, during backward "
+                     "(dist.all_reduce(flat, async_op=True) when the bucket's last gradient "
+                     "arrives); wait() only waits for them and writes the means back")
+    if got["before_earliest"] is not None and got["before_earliest"] < early:
+        raise NotYet(f"{where}, step {step}: {got['before_earliest']} of {len(want)} all-reduces "
+                     f"had started when backward reached the first layer (the {early} without "
+                     f"its gradients should have)",
+                     "start a bucket as soon as its last gradient is accumulated, not all at the "
+                     "end of backward: the point of buckets is that communication overlaps with "
+                     "the rest of backward")
+    world_bytes = sum(ring_bytes("all_reduce", n * esize, got["world"]) for n in want)
+    if got["sent_during"] != world_bytes:  # follows from the sizes; kept as the measured claim
+        raise NotYet(f"{where}, step {step}: sent {got['sent_during']} bytes, a ring all-reduce "
+                     f"of each bucket sends {world_bytes}", _BUCKET_RULE)
+
+
+def _bucket_values(step: int, got: dict, ref: list, names: list, world: int, tol: float,
+                   where: str) -> None:
+    """Raise NotYet unless the gradients after ``wait()`` are the global batch's, per parameter."""
+    for name, g, r in zip(names, got["grads"], ref, strict=True):
+        if r is None:
+            if g is not None and g.abs().max() > 0:
+                raise NotYet(f"{where}: the frozen parameter {name!r} got a gradient",
+                             "leave parameters with requires_grad=False out of the buckets")
+            continue
+        if g is None:
+            raise NotYet(f"{where}, step {step}: {name!r} has no .grad after wait()",
+                         "wait() writes each bucket's averaged gradients back into p.grad "
+                         "(e.g. p.grad.copy_(view of the flat bucket))")
+        if g.dtype != r.dtype:
+            raise NotYet(f"{where}: {name!r}.grad is {g.dtype}, the model is {r.dtype}",
+                         "build each bucket's flat buffer in the gradients' dtype (torch.cat "
+                         "of the gradients keeps it; torch.zeros(n) is float32)")
+        gap = float((g.double() - r.double()).abs().max())
+        if gap <= tol:
+            continue
+        if float((g.double() - world * r.double()).abs().max()) <= tol * world:
+            raise NotYet(f"{where}, step {step}: {name!r}.grad is {world}x the global "
+                         f"batch's gradient", "all_reduce sums: divide each bucket by the world "
+                         "size (before or after the all-reduce)")
+        if gap < 1e-5:
+            raise NotYet(f"{where}, step {step}: {name!r}.grad is off by {gap:.1e}, float32 "
+                         f"rounding in a {r.dtype} model", "build each bucket's flat buffer "
+                         "in the gradients' dtype (torch.cat of the gradients keeps it)")
+        raise NotYet(f"{where}, step {step}: {name!r}.grad differs from the global batch's "
+                     f"mean gradient by {gap:.2g}",
+                     "after wait() every p.grad must be its bucket's all-reduced flat gradient "
+                     "divided by the world size, copied back from the right offset")
+
+
+@exercise("bucketed_ddp", notebook=NOTEBOOK, title="challenge: DDP from gradient buckets")
+def bucketed_ddp(fn, worlds=(2, 4)) -> str:
+    """Challenge: ``fn(model, bucket_numel) -> wait`` makes ``model`` data-parallel, DDP's way.
+
+    Run on real gloo ranks (``worlds``) for two SGD steps of a 3-layer MLP, float32 with
+    4 buckets, then float64 with its first layer frozen: every rank's gradients after ``wait()``
+    and weights after the steps equal one process's on the global batch; each step issues one
+    all-reduce per bucket of the bucket's size (and its ring bytes), every one started during
+    backward, all but the last before backward reaches the first layer; ``wait()`` sends nothing.
+
+    Example::
+
+        >>> exercise.bucketed_ddp(my_bucketed_ddp)
+        [pass] challenge: DDP from gradient buckets: on 2 and 4 ranks ...
+    """
+    for world in worlds:
+        ranks = on_ranks(_bucketed_ddp_worker, fn, _BUCKET_CASES, nproc=world, timeout=60.0)
+        for rank, per_case in enumerate(ranks):
+            for (dtype, cap, frozen), got in zip(_BUCKET_CASES, per_case, strict=True):
+                where = (f"on {world} ranks (rank {rank}), {dtype}, bucket_numel {cap}"
+                         + (", first layer frozen" if frozen else ""))
+                if "returned" in got:
+                    raise NotYet(f"{where}: it returned {got['returned']}, not a function",
+                                 "return wait, a function of no arguments that the loop calls "
+                                 "after loss.backward(): it waits for the all-reduces and "
+                                 "writes the averaged gradients into p.grad")
+                kept = [i for i, t in enumerate(got["trainable"]) if t]
+                sizes = [got["params"][i].numel() for i in kept]
+                buckets = _buckets(sizes, cap)
+                want = [sum(sizes[j] for j in b) for b in buckets]
+                early = sum(not any(got["earliest"][kept[j]] for j in b) for b in buckets)
+                esize = got["params"][0].element_size()
+                for step, (s, ref) in enumerate(zip(got["steps"], got["ref_grads"], strict=True),
+                                                start=1):
+                    _bucket_route(step, {**s, "world": world}, want, early, esize, sizes,
+                                  where)
+                    _bucket_values(step, s, ref, got["names"], world, _BUCKET_TOL[dtype], where)
+                gap = max(float((p.double() - r.double()).abs().max())
+                          for p, r in zip(got["params"], got["ref_params"], strict=True))
+                if gap > _BUCKET_TOL[dtype]:
+                    raise NotYet(f"{where}: after {_BUCKET_STEPS} steps the weights differ "
+                                 f"from one process's by {gap:.2g}",
+                                 "the gradients were right: leave the optimizer step to the "
+                                 "loop (wait() only waits and writes gradients)")
+    return (f"on {' and '.join(map(str, worlds))} ranks, float32 and float64 (a frozen layer): "
+            f"the weights after {_BUCKET_STEPS} steps equal one process's on the global batch; "
+            f"one all-reduce per bucket, each started from a hook while backward ran")
