@@ -26,12 +26,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
+
+from . import profile
 
 __all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "solution", "progress",
            "assert_passed",
@@ -41,6 +45,7 @@ __all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "solution", "
 # NotImplementedError(PLACEHOLDER), or names assigned ``...``. A check sees either and says
 # "not written yet" without running anything.
 PLACEHOLDER = "your code here"
+_PACKAGE = Path(__file__).resolve().parent
 
 
 @dataclasses.dataclass
@@ -51,6 +56,10 @@ class Verdict:
     passed: bool
     detail: str
     hint: str = ""
+    # The whole traceback of an exception behind a "not yet"; the detail shows the learner's
+    # frames of it, with the library's in between elided.
+    traceback: str = ""
+    judged: bool = True  # False: a claim the smoke profile's sizes are too small to judge
 
     def __bool__(self) -> bool:
         return self.passed
@@ -78,11 +87,13 @@ class NotYet(Exception):
         ...              "was a DistributedSampler used?")
     """
 
-    def __init__(self, detail: str, hint: str, *, stuck: list[int] | None = None):
+    def __init__(self, detail: str, hint: str, *, stuck: list[int] | None = None,
+                 traceback: str = ""):
         super().__init__(detail)
         self.detail = detail
         self.hint = hint
         self.stuck = stuck or []  # from on_ranks: the ranks a hang left waiting
+        self.traceback = traceback  # from on_ranks: a rank's whole traceback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +104,7 @@ class Exercise:
     notebook: str
     title: str
     grader: str = ""  # the check's function name, which the notebook calls
+    module: str = ""  # the grader's module: tells 02 from its Keras twin, both notebook "02"
 
 
 EXERCISES: dict[str, Exercise] = {}  # id -> Exercise, filled as labkit.exercises modules import
@@ -121,7 +133,7 @@ def exercise(id: str, *, notebook: str, title: str):
                          f"every exercise needs its own id")
 
     def wrap(grader):
-        EXERCISES[id] = Exercise(id, notebook, title, grader.__name__)
+        EXERCISES[id] = Exercise(id, notebook, title, grader.__name__, grader.__module__)
 
         @functools.wraps(grader)
         def graded(*args, **kwargs) -> Verdict:
@@ -146,15 +158,26 @@ def _grade(id: str, title: str, grader, args, kwargs) -> Verdict:
     try:
         detail = grader(*args, **kwargs)
     except NotYet as wrong:
-        return Verdict(title, False, wrong.detail, wrong.hint)
+        return Verdict(title, False, wrong.detail, wrong.hint, traceback=wrong.traceback)
     except Exception as exc:  # the learner's code, run in this process, may fail in any way
         if _raised_placeholder(exc):
             return Verdict(title, False, "not written yet (it still raises NotImplementedError)",
                            f"replace the `raise NotImplementedError(...)` line with your code; "
                            f"check.solution({id!r}) shows one answer")
+        whole = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        ours = _code_of(grader)
+        if not _has_learner_frame(whole, ours):
+            # Nothing of the learner's ran when it failed: the check itself could not go on,
+            # most often on a value of a kind it did not expect (a list for a tensor, float64).
+            return Verdict(title, False, f"the check could not use what your code gave it: "
+                                         f"{type(exc).__name__}: {_first_line(exc)}",
+                           "this is the check failing, not your code raising: give back what the "
+                           "task asks for (its type, and for a tensor its dtype and shape)",
+                           traceback=whole)
         return Verdict(title, False, f"your code raised {type(exc).__name__}: "
-                                     f"{_first_line(exc)}\n{_learner_traceback(exc)}",
-                       "the traceback above is your code's: fix the line it ends on")
+                                     f"{_first_line(exc)}\n{learner_traceback(whole, ours)}",
+                       "the traceback above is your code's: fix the line it ends on",
+                       traceback=whole)
     return Verdict(title, True, str(detail))
 
 
@@ -186,12 +209,104 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
-def _learner_traceback(exc: BaseException, limit: int = 8) -> str:
-    """The traceback's frames outside labkit: where the learner's code failed."""
-    here = str(Path(__file__).resolve().parent)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not str(Path(f.filename).resolve()).startswith(here)]
-    return "".join(traceback.format_list(frames[-limit:])).rstrip()
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+
+
+def _frame_owner(filename: str, func: str = "", checker=frozenset()) -> str:
+    """Whose code a traceback frame runs: "labkit", a library's name, or "" for the learner's.
+
+    ``checker``: ``(file, function)`` pairs that count as labkit's too (a grader, or a grading
+    worker, defined outside the package, as a test defines them).
+    """
+    if (filename, func) in checker:
+        return "labkit"
+    if filename.startswith("<frozen "):
+        return "python"
+    if filename.startswith("<"):  # <string>, <ipython-input-...>: code typed, not installed
+        return ""
+    path = Path(filename).resolve()
+    if path.is_relative_to(_PACKAGE):
+        return "labkit"
+    parts = path.parts
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            rest = parts[parts.index(marker) + 1:]
+            return rest[0].split(".")[0] if rest else "python"
+    for prefix in {sys.prefix, sys.base_prefix, sys.exec_prefix}:
+        if path.is_relative_to(Path(prefix).resolve()):
+            return "python"
+    return ""
+
+
+def _has_learner_frame(text: str, checker=frozenset()) -> bool:
+    return any((m := _FRAME.match(line)) and not _frame_owner(m["file"], m["func"], checker)
+               for line in text.splitlines())
+
+
+def _code_of(*fns) -> frozenset:
+    """The ``(file, function)`` of each of ``fns``: frames of the check's own code."""
+    codes = (getattr(inspect.unwrap(fn), "__code__", None) for fn in fns)
+    return frozenset((c.co_filename, c.co_name) for c in codes if c is not None)
+
+
+def learner_traceback(text: str, checker=frozenset()) -> str:
+    """A traceback as a learner needs it: their own frames, one line for where labkit called
+    them, and each run of a library's frames (torch's internals) elided to one line.
+
+    ``text`` is a formatted traceback (``traceback.format_exception``'s, or a rank's as the
+    launcher reports it); the frames of a traceback that never reached the learner's code are
+    kept as they are. The whole text stays on the verdict (``Verdict.traceback``).
+
+    Example::
+
+        >>> print(learner_traceback(text))
+          (labkit called your code from labkit/exercises/data_parallel.py, line 88, in _worker)
+          File "/tmp/ipykernel_7/12.py", line 4, in my_ddp_training
+            loss = nn.functional.cross_entropy(model(x), y)
+          ... 6 frames inside torch
+        RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x64 and 256x10)
+    """
+    if not _has_learner_frame(text, checker):
+        return text.rstrip()
+    # Split into items: a frame (its "File" line and the indented lines under it) or a line.
+    items: list[tuple[str, list[str]]] = []  # (owner, lines); owner None for a plain line
+    for line in text.rstrip().splitlines():
+        m = _FRAME.match(line)
+        if m:
+            items.append((_frame_owner(m["file"], m["func"], checker), [line]))
+        elif line.startswith("    ") and items and items[-1][0] is not None:
+            items[-1][1].append(line)
+        else:
+            items.append((None, [line]))
+    out: list[str] = []
+    i = 0
+    while i < len(items):
+        owner, lines = items[i]
+        if owner is None or owner == "":
+            if not (owner is None and lines[0].startswith("Traceback (most recent call last)")):
+                out.extend(lines)
+            i += 1
+            continue
+        j = i
+        while j < len(items) and items[j][0] not in (None, ""):
+            j += 1
+        run = [owner for owner, _ in items[i:j]]
+        if j < len(items) and items[j][0] == "" and run[-1] == "labkit":
+            # The frames above the learner's: the grader calling them, the same every time.
+            m = _FRAME.match(items[j - 1][1][0])
+            out.append(f"  (labkit called your code from {_short_path(m['file'])}, line "
+                       f"{m['line']}, in {m['func']})")
+        else:
+            names = ", ".join(dict.fromkeys(run))
+            out.append(f"  ... {len(run)} frame{'s' if len(run) > 1 else ''} inside {names} "
+                       f"(the verdict's .traceback has them all)")
+        i = j
+    return "\n".join(out)
+
+
+def _short_path(filename: str) -> str:
+    path = Path(filename).resolve()
+    return str(path.relative_to(_PACKAGE.parent)) if path.is_relative_to(_PACKAGE) else filename
 
 
 def written(value, what: str = "the answer"):
@@ -236,9 +351,29 @@ def on_ranks(worker, *args, nproc: int = 2, timeout: float = 60.0, warm: bool = 
             raise NotYet("not written yet (it still raises NotImplementedError)",
                          "replace the `raise NotImplementedError(...)` line with your "
                          "code") from None
-        raise NotYet(f"rank {failed.rank} raised: {str(failed).strip()}",
-                     "the traceback above is your code's, on that rank: fix the line it ends "
-                     "on") from None
+        raise _rank_failure(failed.rank, text, _code_of(worker)) from None
+
+
+def _rank_failure(rank, text: str, checker=frozenset()) -> NotYet:
+    """The NotYet of a rank that raised: the learner's code, or the grading worker itself."""
+    who = f"rank {rank}" if rank is not None else "a rank"
+    head, _, tb = text.partition(f"--- {who} traceback ---\n")
+    said = (head.strip().splitlines() or [""])[0][:300].removeprefix(f"{who} failed with ")
+    if not tb or not _has_learner_frame(tb, checker):
+        # A traceback without the learner's frames is the grading worker failing (or a rank
+        # that died): the text says what happened, there is no line of theirs to fix.
+        if tb:
+            return NotYet(f"the check's worker failed on {who}, not in your code: {said}",
+                          "this is the check failing on what your code gave it: give back "
+                          "what the task asks for (its type, and for a tensor its dtype and "
+                          "shape)", traceback=text)
+        return NotYet(f"{who} failed: {text.strip()}",
+                      "a rank that ends without a Python error was killed (out of memory?) or "
+                      "crashed in native code: the text above says which", traceback=text)
+    return NotYet(f"{who} raised {said}\n"
+                  f"{learner_traceback(tb, checker)}",
+                  "the traceback above is your code's, on that rank: fix the line it ends on",
+                  traceback=text)
 
 
 def _last_frame(stack: str) -> str:
@@ -313,15 +448,25 @@ def _record_pass(id: str) -> None:
         print(f"[labkit] could not record this pass in {path}: {exc}", file=sys.stderr)
 
 
-def progress(show: bool = True) -> dict[str, list[str]]:
+class Progress(dict):
+    """``{notebook: [passed exercise ids]}``; :func:`progress` has printed it already, so a
+    notebook cell that ends with it shows it once."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def progress(show: bool = True) -> Progress:
     """The exercises you have passed, notebook by notebook (kept in :func:`progress_file`).
 
-    Returns ``{notebook: [passed exercise ids]}`` for every notebook with exercises.
+    Returns ``{notebook: [passed exercise ids]}`` for every notebook with exercises, a twin
+    counted on its own (``"02"`` and ``"02 keras"``).
 
     Example::
 
         >>> check.progress()
-        00  2 of 3  [pass] first all-reduce, [pass] bus bandwidth, [    ] ring time
+        3 of 51 exercises passed (recorded in /home/you/.labkit/progress.json)
+          00        2 of 3  [pass] first all-reduce, [pass] bus bandwidth, [    ] ring time
         ...
     """
     from . import exercises
@@ -330,19 +475,37 @@ def progress(show: bool = True) -> dict[str, list[str]]:
     passes = _passes()
     by_notebook: dict[str, list[Exercise]] = {}
     for ex in EXERCISES.values():
-        by_notebook.setdefault(ex.notebook, []).append(ex)
-    done = {nb: [e.id for e in exs if e.id in passes] for nb, exs in sorted(by_notebook.items())}
+        by_notebook.setdefault(exercises.notebook_label(ex.module, ex.notebook), []).append(ex)
+    by_notebook = dict(sorted(by_notebook.items()))
+    done = Progress({nb: [e.id for e in exs if e.id in passes]
+                     for nb, exs in by_notebook.items()})
     if show:
         total = sum(len(v) for v in by_notebook.values())
         print(f"{sum(len(v) for v in done.values())} of {total} exercises passed "
               f"(recorded in {progress_file()})")
-        for nb, exs in sorted(by_notebook.items()):
+        width = max(len(nb) for nb in by_notebook)
+        for nb, exs in by_notebook.items():
             marks = ", ".join(f"[{'pass' if e.id in passes else '    '}] {e.title}" for e in exs)
-            print(f"  {nb}  {len(done[nb])} of {len(exs)}  {marks}")
+            print(f"  {nb:<{width}}  {len(done[nb])} of {len(exs)}  {marks}")
     return done
 
 
 # ---- claims: noisy figures and predictions -----------------------------------------------------
+
+SMOKE_NOTE = "the smoke profile's runs are too small and short for this claim to mean anything"
+
+
+def judged() -> bool:
+    """Whether claims about noisy figures are judged here: everywhere but the smoke profile."""
+    return profile.current() != "smoke"
+
+
+def _band(low: float, high: float) -> str:
+    if high == math.inf:
+        return f"at least {_figure(low)}"
+    if low == -math.inf:
+        return f"at most {_figure(high)}"
+    return f"between {_figure(low)} and {_figure(high)}"
 
 
 def in_band(claim: str, measured: float, low: float = -math.inf, high: float = math.inf, *,
@@ -350,51 +513,59 @@ def in_band(claim: str, measured: float, low: float = -math.inf, high: float = m
     """A printed verdict for a noisy figure: inside the band ``[low, high]`` expected, or not.
 
     For what a short run or a busy machine moves (an accuracy after a few epochs, a gap between
-    two runs, a time): it prints the expected band, the measured value and, outside the band, the
-    likely ``cause``, and never raises, so the lesson goes on. ``retry``, a function that
-    measures again, is called once when the first figure misses (a busy moment passes). Exact
-    claims are ``assert``s.
+    two runs, a time): it prints the band the lesson expects, the measured value and, outside
+    the band, the likely ``cause``, and never raises, so the lesson goes on. The band points
+    the way the lesson does: a claim that something speeds up expects at least 1 (or more),
+    so a slow-down is "not as expected". ``retry``, a function that measures again, is called
+    once when the first figure misses (a busy moment passes). Exact claims are ``assert``s.
+
+    In the smoke profile the runs are too small for such figures to mean anything: the verdict
+    says the claim is not judged at this size, with the figure measured (``judged`` False, and
+    falsy: it passed nothing).
 
     Example::
 
         >>> check.in_band("gap without augmentation", 0.48, 0.3, 1.0,
         ...               cause="too few epochs to memorise the training images")
-        [as expected] gap without augmentation: measured 0.48, expected 0.3 to 1
+        [as expected] gap without augmentation: measured 0.48, expected between 0.3 and 1
     """
     if not low <= high:
         raise ValueError(f"in_band needs low <= high, got low={low!r}, high={high!r}: swap them, "
                          f"or leave one out for a one-sided band")
-    if high == math.inf:
-        band = f"at least {low:g}"
-    elif low == -math.inf:
-        band = f"at most {high:g}"
-    else:
-        band = f"{low:g} to {high:g}"
+    band = _band(low, high)
     measured = float(measured)
+    if not judged():
+        verdict = Verdict(claim, False, f"measured {_figure(measured)}; not judged at this size "
+                                        f"(the cpu and gpu profiles expect {band})",
+                          SMOKE_NOTE, judged=False)
+        print(f"[not judged at this size] {claim}: {verdict.detail}")
+        return verdict
     inside = low <= measured <= high  # False for NaN too
     if not inside and retry is not None:
-        print(f"[measuring again] {claim}: {measured:.3g} is outside {band}; once more, in case "
-              f"the machine was busy")
+        print(f"[measuring again] {claim}: measured {_figure(measured)}, not {band}; once "
+              f"more, in case the machine was busy")
         measured = float(retry())
         inside = low <= measured <= high
-    verdict = Verdict(claim, inside, f"measured {measured:.3g}, expected {band}",
+    verdict = Verdict(claim, inside, f"measured {_figure(measured)}, expected {band}",
                       "" if inside else f"likely cause: {cause}")
-    label = "as expected" if inside else "outside the expected band"
+    label = "as expected" if inside else "not as expected"
     print(f"[{label}] {claim}: {verdict.detail}" + ("" if inside else f"\n  {verdict.hint}"))
     return verdict
 
 
 def prediction(what: str, predicted, measured: float, *, rel: float = 0.25, unit: str = "",
-               why: str = "") -> Verdict | None:
+               why: str = "", noisy: bool = False) -> Verdict | None:
     """Your prediction beside the measurement: within ``rel`` (25 %) of it, or how far off.
 
     ``predicted`` still ``...`` prints a reminder and returns None. ``why`` explains the usual
-    reason a prediction misses (shown when it does). Never raises.
+    reason a prediction misses (shown when it does). ``noisy``: the measurement is a time or
+    an accuracy after a short run, which the smoke profile's sizes leave meaningless; there
+    the figures are shown, and the prediction not judged. Never raises.
 
     Example::
 
         >>> check.prediction("speedup on 2 ranks", 1.9, 1.62, unit="x")
-        [prediction] speedup on 2 ranks: you said 1.9x, measured 1.62x (17 % off: close)
+        [prediction] speedup on 2 ranks: you said 1.9x, measured 1.62x (17% off: close)
     """
     measured = float(measured)
     if predicted is Ellipsis or predicted is None:
@@ -402,6 +573,11 @@ def prediction(what: str, predicted, measured: float, *, rel: float = 0.25, unit
               f"first next time (the `...` in the cell above), then run the measurement")
         return None
     predicted = float(predicted)
+    if noisy and not judged():
+        detail = (f"you said {_figure(predicted)}{unit}, measured {_figure(measured)}{unit}; "
+                  f"not judged at this size")
+        print(f"[prediction] {what}: {detail} ({SMOKE_NOTE}; run the cpu profile to compare)")
+        return Verdict(what, False, detail, SMOKE_NOTE, judged=False)
     off = abs(predicted - measured) / max(abs(measured), 1e-12)
     close = off <= rel
     detail = (f"you said {_figure(predicted)}{unit}, measured {_figure(measured)}{unit} "

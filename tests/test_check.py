@@ -73,12 +73,19 @@ def test_frozen_base_wrong_answers_get_hints():
     assert not verdict and "nothing would learn" in verdict.detail
 
 
-def test_in_band_prints_a_verdict_and_never_raises_on_a_noisy_figure(capsys):
+@pytest.fixture
+def judged(monkeypatch):
+    """Claims judged as on a laptop (the cpu profile), whatever profile the tests run in."""
+    monkeypatch.setenv("LABKIT_PROFILE", "cpu")
+
+
+def test_in_band_prints_a_verdict_and_never_raises_on_a_noisy_figure(capsys, judged):
     assert check.in_band("gap", 0.48, 0.3, 1.0, cause="few epochs")
-    assert capsys.readouterr().out == "[as expected] gap: measured 0.48, expected 0.3 to 1\n"
+    assert capsys.readouterr().out == ("[as expected] gap: measured 0.48, expected between 0.3 "
+                                       "and 1\n")
     verdict = check.in_band("gap", 0.1, 0.3, cause="few epochs")
     out = capsys.readouterr().out
-    assert not verdict and "[outside the expected band]" in out and "at least 0.3" in out
+    assert not verdict and "[not as expected] gap: measured 0.1, expected at least 0.3" in out
     assert "likely cause: few epochs" in out and verdict.hint == "likely cause: few epochs"
     assert not check.in_band("accuracy", float("nan"), high=1.0, cause="a loss became NaN")
     assert "at most 1" in capsys.readouterr().out
@@ -219,7 +226,7 @@ def test_on_ranks_names_a_hang(tmp_path, monkeypatch):
     assert "in _hangs_on_rank_0" in hang.value.detail
 
 
-def test_in_band_measures_again_once_when_it_misses(capsys):
+def test_in_band_measures_again_once_when_it_misses(capsys, judged):
     again = iter([0.5])
     assert check.in_band("speedup", 0.1, 0.3, cause="busy", retry=lambda: next(again))
     out = capsys.readouterr().out
@@ -227,7 +234,7 @@ def test_in_band_measures_again_once_when_it_misses(capsys):
     assert not check.in_band("speedup", 0.1, 0.3, cause="busy", retry=lambda: 0.2)
 
 
-def test_prediction_compares_and_never_raises(capsys):
+def test_prediction_compares_and_never_raises(capsys, judged):
     assert check.prediction("speedup", 1.9, 1.62, unit="x")
     assert "you said 1.9x, measured 1.62x (17% off: close)" in capsys.readouterr().out
     far = check.prediction("speedup", 4, 1.62, unit="x", why="communication is not free")
@@ -340,3 +347,129 @@ def test_fair_gap_wrong_measurements_get_their_hint(tmp_path, monkeypatch, answe
     monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
     verdict = augmentation.fair_gap(answer)
     assert not verdict and said in verdict.hint, verdict
+
+
+# ---- claims in the smoke profile, grader failures, tracebacks, progress per notebook ----------
+
+def test_in_band_in_smoke_says_the_claim_is_not_judged(capsys, monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "smoke")
+    retried = []
+    verdict = check.in_band("weak-scaling speedup on 2 workers", 0.905, 1.2, cause="busy",
+                            retry=lambda: retried.append(1) or 2.0)
+    out = capsys.readouterr().out
+    assert out.startswith("[not judged at this size] weak-scaling speedup on 2 workers: "
+                          "measured 0.905; not judged at this size (the cpu and gpu profiles "
+                          "expect at least 1.2)")
+    assert "as expected" not in out and not retried  # a smoke run is not measured twice
+    assert not verdict and not verdict.judged
+
+
+def test_a_noisy_prediction_is_not_judged_in_smoke_an_exact_one_is(capsys, monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "smoke")
+    timed = check.prediction("speedup", 1.9, 0.9, unit="x", noisy=True)
+    out = capsys.readouterr().out
+    assert "you said 1.9x, measured 0.9x; not judged at this size" in out
+    assert not timed and not timed.judged and "close" not in out
+    assert check.prediction("bytes", 20_000, 20_436)  # a count means the same at every size
+    assert "(2% off: close)" in capsys.readouterr().out
+
+
+@check.exercise("_test_tensor", notebook="99", title="ones as a tensor")
+def tensor_check(fn):
+    import torch
+
+    if not torch.equal(fn(), torch.ones(2)):  # fails on anything but a tensor
+        raise check.NotYet("not ones", "return torch.ones(2)")
+    return "ones"
+
+
+def test_the_checks_own_failure_is_not_called_the_learners(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    verdict = tensor_check(lambda: [1.0, 1.0])  # a list: torch.equal cannot take it
+    assert not verdict and "your code raised" not in verdict.detail
+    assert verdict.detail.startswith("the check could not use what your code gave it: TypeError")
+    assert "not your code raising" in verdict.hint and "dtype and shape" in verdict.hint
+    assert "torch.equal" in verdict.traceback  # the whole text stays on the verdict
+
+
+def _shape_error():
+    import torch
+
+    weight = torch.ones(3, 5)
+    return torch.nn.functional.linear(torch.ones(2, 4), weight)  # 4 inputs, 5 expected
+
+
+def test_a_learners_traceback_shows_their_frames_and_where_labkit_called(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    verdict = tensor_check(_shape_error)
+    lines = verdict.detail.splitlines()
+    assert lines[0].startswith("your code raised RuntimeError: mat1 and mat2 shapes")
+    # The grader (here a test's) is the check's code: one line says where it called the answer.
+    assert lines[1].startswith("  (labkit called your code from ")
+    assert lines[1].endswith(", in tensor_check)")
+    assert 'test_check.py", line' in lines[2] and "in _shape_error" in lines[2]
+    assert "labkit/check.py\"" not in verdict.detail and "_grade" not in verdict.detail
+    assert "Traceback (most recent call last)" in verdict.traceback
+
+
+def test_learner_traceback_elides_a_librarys_frames_between_the_learners():
+    torch_file = f"{torch.__file__.rsplit('/', 1)[0]}/nn/modules/module.py"
+    text = ("Traceback (most recent call last):\n"
+            f'  File "{check.__file__}", line 10, in _grade\n    detail = grader()\n'
+            '  File "/tmp/ipykernel_1/2.py", line 3, in my_step\n    model(x)\n'
+            f'  File "{torch_file}", line 1, in _wrapped_call_impl\n    return self._call(x)\n'
+            f'  File "{torch_file}", line 2, in _call_impl\n    return forward_call(x)\n'
+            '  File "/tmp/ipykernel_1/3.py", line 5, in forward\n    return x @ self.w\n'
+            "RuntimeError: mat1 and mat2 shapes cannot be multiplied\n")
+    assert check.learner_traceback(text).splitlines() == [
+        "  (labkit called your code from labkit/check.py, line 10, in _grade)",
+        '  File "/tmp/ipykernel_1/2.py", line 3, in my_step', "    model(x)",
+        "  ... 2 frames inside torch (the verdict's .traceback has them all)",
+        '  File "/tmp/ipykernel_1/3.py", line 5, in forward', "    return x @ self.w",
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied"]
+    no_learner = text.replace("/tmp/ipykernel_1/", f"{torch_file}.")
+    assert check.learner_traceback(no_learner) == no_learner.rstrip()  # kept whole
+
+
+def _compare_on_rank(fn):
+    import torch
+
+    return torch.equal(fn(), torch.ones(2))  # the check's comparison, on the rank
+
+
+@check.exercise("_test_tensor_on_ranks", notebook="99", title="ones on every rank")
+def tensor_on_ranks(fn):
+    if not all(check.on_ranks(_compare_on_rank, fn, timeout=60)):
+        raise check.NotYet("not ones", "return torch.ones(2)")
+    return "ones"
+
+
+def test_on_ranks_tells_the_learners_failure_from_the_checks(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    learners = tensor_on_ranks(_shape_error)
+    assert learners.detail.startswith("rank 0 raised RuntimeError: mat1 and mat2 shapes")
+    assert "in _shape_error" in learners.detail and "in _compare_on_rank)" in learners.detail
+    assert "the traceback above is your code's" in learners.hint
+    assert "functional" in learners.traceback or "linear" in learners.traceback
+    checks = tensor_on_ranks(lambda: [1.0, 1.0])
+    assert checks.detail.startswith("the check's worker failed on rank")
+    assert "not in your code: TypeError" in checks.detail and "raised" not in checks.detail
+
+
+def test_progress_counts_a_twin_on_its_own_and_shows_once(tmp_path, monkeypatch, capsys):
+    from labkit import exercises
+
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    (tmp_path / "progress.json").write_text(json.dumps({"keras_tf_config": "2026-01-01"}))
+    done = check.progress()
+    assert done["02 keras"] == ["keras_tf_config"] and done["02"] == []
+    assert done["01 keras"] == [] and "01" in done
+    out = capsys.readouterr().out
+    twin = [line for line in out.splitlines() if line.strip().startswith("02 keras")]
+    plain = [line for line in out.splitlines() if line.strip().startswith("02 ")
+             and "keras" not in line.split("of")[0]]
+    assert len(twin) == 1 and "1 of 3" in twin[0] and "0 of" in plain[0]
+    done._ipython_display_()  # a cell ending in check.progress() adds nothing to what printed
+    assert capsys.readouterr().out == ""
+    assert exercises.notebook_label("labkit.exercises.data_parallel_keras", "02") == "02 keras"
+    assert exercises.notebook_label("labkit.exercises.composition.zero", "10") == "10"

@@ -48,6 +48,16 @@ EXERCISE_LINE = re.compile(r"^# EXERCISE (\w+)", re.M)
 BLOCK_LINE = re.compile(r"^# %% (\w+)[ \t]*$", re.M)
 
 
+def notebook_label(module: str, notebook: str) -> str:
+    """How progress names a grader's notebook: its number, and "keras" for a TensorFlow twin
+    (the twins share a number: ``02`` and ``02 keras``)."""
+    topic = module.removeprefix(f"{__name__}.").split(".")[0]
+    for stem, name in TOPICS.items():
+        if name == topic:
+            return f"{stem[:2]} keras" if stem.endswith("_keras") else stem[:2]
+    return notebook  # a grader outside the course's modules (a test's)
+
+
 def load_all() -> None:
     """Import every topic module that exists, so that every exercise is registered."""
     for module in TOPICS.values():
