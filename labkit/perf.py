@@ -824,7 +824,9 @@ def timing_verdict(claim: str, measured: float, expected: tuple[float, float], *
     A time taken on a shared machine moves with whatever else runs there, so the notebooks
     print this verdict where an exact claim would assert. ``expected`` is the ``(low, high)``
     band the claim predicts; ``below`` and ``above`` name the likely cause of a value outside
-    it. Returns ``{"claim", "expected", "measured", "verdict", "ok", "cause", "text"}``.
+    it. In the smoke profile the verdict is "not judged at this size" (``ok`` False), with the
+    figure measured. Returns ``{"claim", "expected", "measured", "verdict", "ok", "cause",
+    "text"}``.
 
     Example::
 
@@ -837,6 +839,13 @@ def timing_verdict(claim: str, measured: float, expected: tuple[float, float], *
     low, high = expected
     if not low <= high:
         raise ValueError(f"expected must be a (low, high) band with low <= high, got {expected!r}")
+    from .check import judged
+
+    if not judged():  # the smoke profile: sizes far too small for a time to mean anything
+        text = (f"{claim}: measured {fmt.format(measured)}; not judged at this size (the cpu "
+                f"and gpu profiles expect {fmt.format(low)} to {fmt.format(high)})")
+        return {"claim": claim, "expected": (low, high), "measured": measured,
+                "verdict": "not judged at this size", "ok": False, "cause": None, "text": text}
     if measured < low:
         verdict, cause = "below the expected band", below
     elif measured > high:

@@ -428,13 +428,23 @@ def test_results_table_refuses_bad_rows(rows, match):
 @pytest.mark.parametrize("measured, verdict, cause", [
     (1.4, "as expected", None), (1.1, "as expected", None), (2.0, "as expected", None),
     (0.8, "below the expected band", "noise"), (2.5, "above the expected band", "overhead")])
-def test_timing_verdict_names_the_band_the_value_and_the_cause(measured, verdict, cause):
+def test_timing_verdict_names_the_band_the_value_and_the_cause(measured, verdict, cause,
+                                                               monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "cpu")
     got = perf.timing_verdict("recompute (x)", measured, (1.1, 2.0), below="noise",
                               above="overhead")
     assert (got["verdict"], got["cause"], got["ok"]) == (verdict, cause, cause is None)
     first = got["text"].splitlines()[0]
     assert first == f"recompute (x): expected 1.10 to 2.00, measured {measured:.2f}: {verdict}"
     assert ("likely cause: " + cause in got["text"]) if cause else "likely" not in got["text"]
+
+
+def test_timing_verdict_in_smoke_is_not_judged_at_that_size(monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "smoke")
+    got = perf.timing_verdict("recompute (x)", 0.8, (1.1, 2.0), below="noise", above="-")
+    assert (got["verdict"], got["ok"], got["cause"]) == ("not judged at this size", False, None)
+    assert got["text"] == ("recompute (x): measured 0.80; not judged at this size (the cpu and "
+                           "gpu profiles expect 1.10 to 2.00)")
 
 
 @pytest.mark.parametrize("measured, expected, match", [
@@ -460,7 +470,9 @@ def _bucket_row(cap, buckets, hidden, ranks=2):
     ("gloo", 4, (0.1, 0.5), "as expected", (0.2, 1.0)),         # a spare core per rank
     ("gloo", 8, (0.0, 0.1), "below the expected band", (0.2, 1.0))])
 def test_overlap_check_judges_the_multi_bucket_caps_against_the_hardware(backend, cores, shares,
-                                                                         verdict, band):
+                                                                         verdict, band,
+                                                                         monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "cpu")
     rows = [_bucket_row(0.25, 12, shares[0]), _bucket_row(4, 3, shares[1]),
             _bucket_row(25, 1, 0.05)]
     got = perf.overlap_check(rows, backend=backend, cores=cores)
@@ -473,7 +485,8 @@ def test_overlap_check_judges_the_multi_bucket_caps_against_the_hardware(backend
     assert ("likely cause" in got["text"]) == (verdict != "as expected")
 
 
-def test_overlap_check_blames_the_noise_when_the_control_is_far_from_zero():
+def test_overlap_check_blames_the_noise_when_the_control_is_far_from_zero(monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "cpu")
     rows = [_bucket_row(0.25, 12, 0.9), _bucket_row(25, 1, -0.6)]
     got = perf.overlap_check(rows, backend="gloo", cores=2)
     assert got["verdict"] == "above the expected band" and got["control"] == -0.6
