@@ -67,7 +67,7 @@ _LAZY = {
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",
                  "capstone", "ddp", "perf", "diagnose", "elastic", "resources", "slurm",
-                 "planner")
+                 "planner", "explorers")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._sizes import whole
 
-__all__ = ["bandwidth_plot", "augmentation_grid", "augmentation_explorer", "training_curves",
+__all__ = ["bandwidth_plot", "augmentation_grid", "check_image", "training_curves",
            "live_training_curves", "scaling_plot", "large_batch_plot", "pipeline_timeline",
            "bubble_plot", "staleness_plot", "bytes_accuracy_plot", "tuning_plot", "overlap_plot",
            "memory_plot", "sp_activation_bytes", "sp_layout", "ring_schedule_plot",
@@ -149,7 +149,7 @@ def bytes_accuracy_plot(rows: list[dict], ax=None):
 # ---- augmentation: one image under many random changes ----------------------------------------
 
 
-def _check_image(image):
+def check_image(image):
     """An H x W x 3 uint8 array (what skimage.data and PIL give), or a clear error."""
     import numpy as np
 
@@ -212,7 +212,7 @@ def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
     import torch
     from matplotlib import pyplot as plt
 
-    arr = _check_image(image)
+    arr = check_image(image)
     n = whole(n, "n", hint=" (how many augmented copies)")
     tensor = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
     step = _normalize_step(transform)
@@ -231,73 +231,6 @@ def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
     cells[0].set_title("original", fontsize=9)
     fig.tight_layout()
     return fig
-
-
-# slider: (label, min, max, step); "zoom" is 1 - the smallest crop area (AugmentConfig.scale).
-_SLIDERS = {
-    "rotation": ("rotation (deg)", 0, 90, 1),
-    "zoom": ("zoom", 0, 0.9, 0.05),
-    "translate": ("shift", 0, 0.5, 0.05),
-    "flip": ("flip p", 0, 1, 0.1),
-    "brightness": ("brightness", 0, 1, 0.05),
-    "contrast": ("contrast", 0, 1, 0.05),
-    "saturation": ("saturation", 0, 1, 0.05),
-    "hue": ("hue", 0, 0.5, 0.01),
-}
-
-
-def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, seed: int = 0):
-    """Sliders for every ``AugmentConfig`` setting over a live augmentation grid of ``image``.
-
-    Moving a slider redraws the grid (same seed, so only the changed setting moves things).
-    The returned VBox has a ``config()`` method giving the chosen ``AugmentConfig``, ready for
-    ``labkit.augment.augmentation(size, config=...)`` or ``gpu_augment``.
-
-    Example::
-
-        >>> from skimage.data import astronaut
-        >>> explorer = augmentation_explorer(astronaut())
-        >>> explorer                      # shows the sliders and the grid in the notebook
-        >>> config = explorer.config()    # after tuning by eye
-    """
-    import io
-
-    import ipywidgets as widgets
-    from matplotlib import pyplot as plt
-
-    from .augment import AugmentConfig, augmentation
-
-    arr = _check_image(image)
-    size = image_size or min(arr.shape[0], arr.shape[1], 160)  # small enough to redraw quickly
-    start = AugmentConfig()
-    values = {**{k: getattr(start, k) for k in _SLIDERS if k != "zoom"}, "zoom": 1 - start.scale[0]}
-    sliders = {key: widgets.FloatSlider(value=values[key], min=lo, max=hi, step=step,
-                                        description=label, continuous_update=False,
-                                        style={"description_width": "initial"})
-               for key, (label, lo, hi, step) in _SLIDERS.items()}
-    picture = widgets.Image(format="png")
-
-    def config():
-        settings = {k: s.value for k, s in sliders.items() if k != "zoom"}
-        return AugmentConfig(scale=(1 - sliders["zoom"].value, 1.0), **settings)
-
-    def redraw(_change=None):
-        transform = augmentation(size, kind="standard", config=config(), normalize=False)
-        fig = augmentation_grid(arr, transform, n=n, seed=seed)
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        plt.close(fig)  # the picture widget shows it; pyplot must not show it a second time
-        picture.value = buffer.getvalue()
-
-    for slider in sliders.values():
-        slider.observe(redraw, names="value")
-    redraw()
-    half = (len(sliders) + 1) // 2
-    columns = [widgets.VBox(list(sliders.values())[:half]),
-               widgets.VBox(list(sliders.values())[half:])]
-    box = widgets.VBox([widgets.HBox(columns), picture])
-    box.config = config
-    return box
 
 
 # ---- training curves ----------------------------------------------------------------------------

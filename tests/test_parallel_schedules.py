@@ -22,7 +22,6 @@ from labkit.parallel.schedules import (
     messages,
     peak_in_flight,
     pipelined_step,
-    schedule_explorer,
     schedule_timeline,
     simulate,
     zero_bubble,
@@ -251,22 +250,6 @@ def test_message_order_mismatch_is_named():
 def test_simulate_refuses_negative_costs():
     with pytest.raises(ValueError, match=r"w is a time: use a number >= 0"):
         simulate(zero_bubble(2, 2), 2, 2, w=-1)
-
-
-# ---- the explorer (built and updated once; the rendering is ipywidgets') ------------------------
-
-
-def test_schedule_explorer_updates_and_reports():
-    box = schedule_explorer(stages=2, m=4, chunks=2)
-    assert box.result["name"] == "interleaved 1f1b" and box.result["chunks"] == 2
-    assert bytes(box.children[-1].value).startswith(b"\x89PNG")
-    assert "bubble 0.111 of the step, formula 0.111" in box.children[-2].value
-    sliders = box.children[0].children + box.children[1].children
-    sliders[1].value = 3  # m=3 does not split into groups of 2: the message, not a figure
-    assert box.result is None and "not a multiple of 2" in box.children[-2].value
-    sliders[3].value = "gpipe"  # the chunks slider is ignored for one-chunk schedules
-    assert box.result["name"] == "gpipe" and box.result["chunks"] == 1
-    assert box.update()["m"] == 3
 
 
 # ---- real ranks: torch.distributed.pipelining and run_schedule ----------------------------------

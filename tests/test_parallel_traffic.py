@@ -8,7 +8,7 @@ import cloudpickle
 import pytest
 
 from labkit import launch
-from labkit.parallel.traffic import Traffic, ring_bytes
+from labkit.parallel.traffic import Traffic, ring_bytes, step_traffic
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -128,3 +128,12 @@ def test_an_empty_traffic_reports_nothing():
     t = Traffic()
     assert (t.counts(), t.by_op(), t.sent_bytes()) == ({}, {}, 0)
     assert "sent 0 bytes" in repr(t)
+
+
+def test_step_traffic_refuses_an_unknown_wrap(group):
+    from functools import partial
+
+    from labkit.parallel.memory import block_stack
+
+    with pytest.raises(ValueError, match="wrap='zero'.*use 'ddp'.*or 'fsdp'"):
+        step_traffic(partial(block_stack, 1, 8), wrap="zero")

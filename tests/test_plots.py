@@ -191,43 +191,6 @@ def test_augmentation_grid_rejects_what_it_cannot_show(image, transform, n, matc
         augmentation_grid(photo, transform or augmentation(32), n=n)
 
 
-def test_explorer_redraws_when_a_slider_moves(monkeypatch):
-    import ipywidgets as widgets
-
-    from labkit import plots
-
-    draws = []
-    real = plots.augmentation_grid
-
-    def counting(*args, **kwargs):
-        draws.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(plots, "augmentation_grid", counting)
-    explorer = plots.augmentation_explorer(_photo(), image_size=24, n=3)
-    assert isinstance(explorer, widgets.VBox)
-    sliders = {s.description: s for s in explorer.children[0].children[0].children
-               + explorer.children[0].children[1].children}
-    assert set(sliders) == {"rotation (deg)", "zoom", "shift", "flip p", "brightness",
-                            "contrast", "saturation", "hue"}
-    picture = explorer.children[1]
-    assert isinstance(picture, widgets.Image) and picture.value[:4] == b"\x89PNG"
-    assert len(draws) == 1
-    before = picture.value
-    sliders["rotation (deg)"].value = 60
-    sliders["zoom"].value = 0.5
-    assert len(draws) == 3 and picture.value != before
-    config = explorer.config()
-    assert config.rotation == 60 and config.scale == (0.5, 1.0)
-
-
-def test_explorer_rejects_a_bad_image():
-    from labkit.plots import augmentation_explorer
-
-    with pytest.raises(ValueError, match="uint8"):
-        augmentation_explorer(_photo().astype(float))
-
-
 # --------------------------------------------------------------------------- training curves
 
 

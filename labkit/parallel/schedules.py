@@ -19,8 +19,8 @@ process group): :func:`interleaved_1f1b`, :func:`zero_bubble`, :func:`make_sched
 :func:`check_schedule`, :func:`check_message_order`, :func:`simulate`, :func:`bubble_of`,
 :func:`peak_in_flight`, :func:`messages`, the formulas :func:`interleaved_bubble`,
 :func:`interleaved_bubble_fraction`, :func:`zero_bubble_formula`, and
-:func:`schedule_timeline` with its widget :func:`schedule_explorer`. Worker functions:
-:func:`run_schedule` (a schedule of actions played with point-to-point sends) and
+:func:`schedule_timeline` (its widget is :func:`labkit.explorers.schedule_explorer`). Worker
+functions: :func:`run_schedule` (a schedule of actions played with point-to-point sends) and
 :func:`pipelined_step` (``torch.distributed.pipelining``'s ``Schedule1F1B``,
 ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble``,
 timed action by action)::
@@ -46,7 +46,7 @@ from . import pipeline
 __all__ = ["SCHEDULE_NAMES", "interleaved_1f1b", "zero_bubble", "make_schedule", "check_schedule",
            "check_message_order", "simulate", "bubble_of", "peak_in_flight", "messages",
            "interleaved_bubble", "interleaved_bubble_fraction", "zero_bubble_formula",
-           "schedule_timeline", "schedule_explorer", "run_schedule", "pipelined_step",
+           "schedule_timeline", "run_schedule", "pipelined_step",
            "TORCH_SCHEDULES"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved 1f1b", "zero bubble")
@@ -529,76 +529,6 @@ def schedule_timeline(name: str, stages: int, m: int, chunks: int = 1, f=1.0, b=
             "formula": None if ratio is None else ratio / (1 + ratio),
             "idle_per_compute": out["idle_per_compute"], "formula_per_compute": ratio,
             "peak_in_flight": peak_in_flight(schedule, p, m, v), "messages": messages(p, m, v)}
-
-
-def schedule_explorer(stages: int = 4, m: int = 8, chunks: int = 2,
-                      schedule: str = "interleaved 1f1b", draw=None):
-    """Sliders for ranks, micro-batches and chunks and a schedule menu over a live timeline.
-
-    Every change re-simulates (:func:`schedule_timeline`), redraws the timeline
-    (``draw``, by default ``labkit.plots.schedule_timeline_plot``) and prints the bubble beside
-    the formula's, the activations held and the messages. The returned VBox has ``update()``
-    (redraw now) and ``result`` (the last :func:`schedule_timeline` dict, or None after an
-    error, whose message is shown instead of the figure).
-
-    Example::
-
-        >>> schedule_explorer()      # in a notebook cell: move the sliders, watch the bubble
-    """
-    import io
-
-    import ipywidgets as widgets
-    from matplotlib import pyplot as plt
-
-    if draw is None:
-        from .. import plots
-        draw = plots.schedule_timeline_plot
-    style = {"description_width": "initial"}
-    controls = {
-        "stages": widgets.IntSlider(value=stages, min=1, max=8, description="ranks p",
-                                    continuous_update=False, style=style),
-        "m": widgets.IntSlider(value=m, min=1, max=32, description="micro-batches m",
-                               continuous_update=False, style=style),
-        "chunks": widgets.IntSlider(value=chunks, min=1, max=4, description="chunks v",
-                                    continuous_update=False, style=style),
-        "name": widgets.Dropdown(options=list(SCHEDULE_NAMES), value=schedule,
-                                 description="schedule", style=style),
-    }
-    picture, text = widgets.Image(format="png"), widgets.HTML()
-
-    def update(_change=None):
-        values = {key: c.value for key, c in controls.items()}
-        if values["name"] in ("gpipe", "1f1b"):
-            values["chunks"] = 1  # one chunk per rank: the slider is for the other two
-        try:
-            result = schedule_timeline(values["name"], values["stages"], values["m"],
-                                       values["chunks"])
-        except ValueError as err:
-            box.result = None
-            text.value = f"<b>cannot draw this one:</b> {err}"
-            return None
-        formula = result["formula"]
-        text.value = (f"bubble {result['bubble']:.3f} of the step, formula "
-                      f"{'none (m < p)' if formula is None else f'{formula:.3f}'}; "
-                      f"idle / compute {result['idle_per_compute']:.3f}; activations held "
-                      f"(stages' worth) {[round(x, 2) for x in result['peak_in_flight']]}; "
-                      f"{result['messages']} messages")
-        fig = draw(result["events"], title=f"{values['name']}: p={values['stages']}, "
-                                           f"m={values['m']}, v={values['chunks']}")
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        plt.close(fig)  # the picture widget shows it; pyplot must not show it a second time
-        picture.value = buffer.getvalue()
-        box.result = result
-        return result
-
-    for control in controls.values():
-        control.observe(update, names="value")
-    box = widgets.VBox([widgets.HBox(list(controls.values())[:2]),
-                        widgets.HBox(list(controls.values())[2:]), text, picture])
-    box.update, box.result = update, None
-    update()
-    return box
 
 
 # ---- real ranks: a schedule played with sends, and torch's own schedules ------------------------

@@ -42,7 +42,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Call", "Traffic", "count_traffic", "ring_bytes"]
+from .._dist import collective_device
+
+__all__ = ["Call", "Traffic", "count_traffic", "ring_bytes", "step_traffic"]
 
 
 @dataclass(frozen=True)
@@ -242,3 +244,55 @@ def count_traffic():
     traffic = Traffic()
     with _Listener(traffic):
         yield traffic
+
+
+# ---- one training step, counted (a worker function) ------------------------------------------
+
+
+def step_traffic(model_fn, *, wrap: str = "ddp", batch: int = 8, seed: int = 0) -> dict:
+    """Worker function: the bytes this rank sends in one training step under DDP or FSDP2.
+
+    ``model_fn()`` builds the model (e.g. ``functools.partial(block_stack, 4, 64)``); ``wrap``
+    is ``"ddp"`` (``DistributedDataParallel``) or ``"fsdp"`` (``fully_shard`` on every child
+    with parameters, then the root). One forward, backward and Adam step on a random batch
+    runs inside :func:`labkit.parallel.traffic.count_traffic`. Returns ``n_params``,
+    ``world_size``, ``sent_bytes`` and the ``counts`` and ``by_op`` of the calls: what
+    ``labkit.planner.plan(...).comm["dp"]`` predicts for ``zero=0`` and ``zero=3`` (the
+    planner is arithmetic and never measures: this is its measured side).
+
+    Example::
+
+        >>> r = labkit.launch(step_traffic, partial(block_stack, 4, 64), nproc=2).values[0]
+        >>> r["counts"], r["sent_bytes"]
+        ({'all_reduce': 1}, 529408)
+    """
+    if wrap not in ("ddp", "fsdp"):
+        raise ValueError(f"wrap={wrap!r}: use 'ddp' (DistributedDataParallel) or 'fsdp' "
+                         f"(FSDP2's fully_shard)")
+    device = collective_device()
+    torch.manual_seed(seed)
+    model = model_fn().to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    # A random batch shaped for the first Linear: the bytes depend on the weights, not the data.
+    first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    x = torch.randn(batch, first.in_features, device=device)
+    if wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit per child with weights, then the root: each unit's parameters are
+        # all-gathered before it runs and its gradients reduce-scattered after its backward.
+        for layer in model.children():
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # DDP broadcast the weights when it wrapped the model: outside the block, not a step's bytes.
+    with count_traffic() as t:
+        model(x).square().mean().backward()
+        opt.step()
+    return {"wrap": wrap, "n_params": n_params, "world_size": dist.get_world_size(),
+            "sent_bytes": t.sent_bytes(), "counts": t.counts(), "by_op": t.by_op()}

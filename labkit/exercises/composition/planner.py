@@ -24,15 +24,15 @@ def fit_cases() -> list[tuple]:
         ("a 7B model on 8 x 80 GiB",
          Model("7B", params=6.7e9, layers=32, hidden=4096, heads=32, seq_len=2048,
                micro_batch=1, flash_attention=True),
-         Cluster(8, memory_gib=80)),
+         Cluster(devices=8, memory_gib=80)),
         ("a 70B model on 64 x 80 GiB",
          Model("70B", params=70e9, layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672,
                seq_len=4096, micro_batch=1, flash_attention=True, dropout=False),
-         Cluster(64, memory_gib=80)),
+         Cluster(devices=64, memory_gib=80)),
         ("a 13B model on 16 x 40 GiB with 32k-token sequences",
          Model("13B", params=13e9, layers=40, hidden=5120, heads=40, seq_len=32768,
                micro_batch=1, flash_attention=True, dropout=False),
-         Cluster(16, memory_gib=40)),
+         Cluster(devices=16, memory_gib=40)),
     ]
 
 

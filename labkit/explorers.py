@@ -1,0 +1,259 @@
+"""Interactive explorers: sliders over a live figure, for the notebooks' "move it and watch" cells.
+
+Each explorer joins three rooms that must not know each other: the computation (``augment``,
+``parallel.schedules``, ``planner``), the figure (``plots``) and the widgets (ipywidgets). Here
+they meet in one place, so ``plots`` stays free of computation and the computing rooms free of
+widgets. An explorer returns an ``ipywidgets.VBox`` with what it shows as attributes, so a test
+(or a curious learner) can move a control and read the result without a browser.
+
+- :func:`augmentation_explorer` (notebook 01): every ``AugmentConfig`` setting over a grid.
+- :func:`schedule_explorer` (notebook 10): ranks, micro-batches and chunks over a timeline.
+- :func:`planner_explorer` (notebook 10): a layout's memory and bytes, for any model.
+
+ipywidgets and matplotlib are imported inside each function: ``import labkit`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import plots
+
+__all__ = ["augmentation_explorer", "schedule_explorer", "planner_explorer"]
+
+
+def _png(fig) -> bytes:
+    """``fig`` as PNG bytes for an ``ipywidgets.Image``; the figure is closed so that pyplot does
+    not show it a second time below the widget."""
+    import io
+
+    from matplotlib import pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+# ---- augmentation (notebook 01) ---------------------------------------------------------------
+
+
+# slider: (label, min, max, step); "zoom" is 1 - the smallest crop area (AugmentConfig.scale).
+_SLIDERS = {
+    "rotation": ("rotation (deg)", 0, 90, 1),
+    "zoom": ("zoom", 0, 0.9, 0.05),
+    "translate": ("shift", 0, 0.5, 0.05),
+    "flip": ("flip p", 0, 1, 0.1),
+    "brightness": ("brightness", 0, 1, 0.05),
+    "contrast": ("contrast", 0, 1, 0.05),
+    "saturation": ("saturation", 0, 1, 0.05),
+    "hue": ("hue", 0, 0.5, 0.01),
+}
+
+
+def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, seed: int = 0):
+    """Sliders for every ``AugmentConfig`` setting over a live augmentation grid of ``image``.
+
+    Moving a slider redraws the grid (same seed, so only the changed setting moves things).
+    The returned VBox has a ``config()`` method giving the chosen ``AugmentConfig``, ready for
+    ``labkit.augment.augmentation(size, config=...)`` or ``gpu_augment``.
+
+    Example::
+
+        >>> from skimage.data import astronaut
+        >>> explorer = augmentation_explorer(astronaut())
+        >>> explorer                      # shows the sliders and the grid in the notebook
+        >>> config = explorer.config()    # after tuning by eye
+    """
+    import ipywidgets as widgets
+
+    from .augment import AugmentConfig, augmentation
+
+    arr = plots.check_image(image)
+    size = image_size or min(arr.shape[0], arr.shape[1], 160)  # small enough to redraw quickly
+    start = AugmentConfig()
+    values = {**{k: getattr(start, k) for k in _SLIDERS if k != "zoom"}, "zoom": 1 - start.scale[0]}
+    sliders = {key: widgets.FloatSlider(value=values[key], min=lo, max=hi, step=step,
+                                        description=label, continuous_update=False,
+                                        style={"description_width": "initial"})
+               for key, (label, lo, hi, step) in _SLIDERS.items()}
+    picture = widgets.Image(format="png")
+
+    def config():
+        settings = {k: s.value for k, s in sliders.items() if k != "zoom"}
+        return AugmentConfig(scale=(1 - sliders["zoom"].value, 1.0), **settings)
+
+    def redraw(_change=None):
+        transform = augmentation(size, kind="standard", config=config(), normalize=False)
+        fig = plots.augmentation_grid(arr, transform, n=n, seed=seed)
+        picture.value = _png(fig)
+
+    for slider in sliders.values():
+        slider.observe(redraw, names="value")
+    redraw()
+    half = (len(sliders) + 1) // 2
+    columns = [widgets.VBox(list(sliders.values())[:half]),
+               widgets.VBox(list(sliders.values())[half:])]
+    box = widgets.VBox([widgets.HBox(columns), picture])
+    box.config = config
+    return box
+
+
+# ---- pipeline schedules (notebook 10) ---------------------------------------------------------
+
+
+def schedule_explorer(stages: int = 4, m: int = 8, chunks: int = 2,
+                      schedule: str = "interleaved 1f1b", draw=None):
+    """Sliders for ranks, micro-batches and chunks and a schedule menu over a live timeline.
+
+    Every change re-simulates (:func:`labkit.parallel.schedules.schedule_timeline`), redraws the
+    timeline (``draw``, by default ``labkit.plots.schedule_timeline_plot``) and prints the bubble
+    beside the formula's, the activations held and the messages. The returned VBox has
+    ``update()`` (redraw now) and ``result`` (the last ``schedule_timeline`` dict, or None after
+    an error, whose message is shown instead of the figure).
+
+    Example::
+
+        >>> schedule_explorer()      # in a notebook cell: move the sliders, watch the bubble
+    """
+    import ipywidgets as widgets
+
+    from .parallel.schedules import SCHEDULE_NAMES, schedule_timeline
+
+    draw = draw or plots.schedule_timeline_plot
+    style = {"description_width": "initial"}
+    controls = {
+        "stages": widgets.IntSlider(value=stages, min=1, max=8, description="ranks p",
+                                    continuous_update=False, style=style),
+        "m": widgets.IntSlider(value=m, min=1, max=32, description="micro-batches m",
+                               continuous_update=False, style=style),
+        "chunks": widgets.IntSlider(value=chunks, min=1, max=4, description="chunks v",
+                                    continuous_update=False, style=style),
+        "name": widgets.Dropdown(options=list(SCHEDULE_NAMES), value=schedule,
+                                 description="schedule", style=style),
+    }
+    picture, text = widgets.Image(format="png"), widgets.HTML()
+
+    def update(_change=None):
+        values = {key: c.value for key, c in controls.items()}
+        if values["name"] in ("gpipe", "1f1b"):
+            values["chunks"] = 1  # one chunk per rank: the slider is for the other two
+        try:
+            result = schedule_timeline(values["name"], values["stages"], values["m"],
+                                       values["chunks"])
+        except ValueError as err:
+            box.result = None
+            text.value = f"<b>cannot draw this one:</b> {err}"
+            return None
+        formula = result["formula"]
+        text.value = (f"bubble {result['bubble']:.3f} of the step, formula "
+                      f"{'none (m < p)' if formula is None else f'{formula:.3f}'}; "
+                      f"idle / compute {result['idle_per_compute']:.3f}; activations held "
+                      f"(stages' worth) {[round(x, 2) for x in result['peak_in_flight']]}; "
+                      f"{result['messages']} messages")
+        fig = draw(result["events"], title=f"{values['name']}: p={values['stages']}, "
+                                           f"m={values['m']}, v={values['chunks']}")
+        picture.value = _png(fig)
+        box.result = result
+        return result
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    box = widgets.VBox([widgets.HBox(list(controls.values())[:2]),
+                        widgets.HBox(list(controls.values())[2:]), text, picture])
+    box.update, box.result = update, None
+    update()
+    return box
+
+
+# ---- the planner (notebook 10) ----------------------------------------------------------------
+
+
+def planner_explorer(model=None, cluster=None):
+    """Sliders for a layout of ``model`` on ``cluster`` (or a published run), and its plan, live.
+
+    A preset menu (your ``planner.Model`` and ``planner.Cluster``, if given, then
+    ``planner.PUBLISHED``), sliders for tp, pp, cp and ep (dp takes the devices left), the ZeRO
+    stage, the micro-batch and the number of micro-batches, and switches for activation
+    checkpointing and sequence parallelism. Every change redraws ``plots.planner_plot``: the
+    memory per device as a stacked bar against the usable memory, and the bytes sent per
+    dimension; below it the verdict and ``why``. The returned VBox has ``update()`` (redraw
+    now) and ``plan()`` (the current Plan, or None when the layout is refused).
+
+    Example::
+
+        >>> planner_explorer()                              # the published runs
+        >>> box = planner_explorer(my_model, Cluster(devices=8, memory_gib=80)); box.plan()
+    """
+    import ipywidgets as widgets
+
+    from .planner import PUBLISHED, Cluster, Degrees, PlanError, plan
+    from .planner.describe import factors
+
+    presets = {}
+    if model is not None:
+        start = cluster or Cluster(devices=8, memory_gib=80)
+        presets["yours"] = (model, start, Degrees(dp=start.devices))
+    presets.update({k: (v.model, v.cluster, v.degrees) for k, v in PUBLISHED.items()})
+    style = {"description_width": "initial"}
+    menu = widgets.Dropdown(options=list(presets), description="preset", style=style)
+    sliders = {k: widgets.SelectionSlider(options=[1], description=k, style=style,
+                                          continuous_update=False)
+               for k in ("tp", "pp", "cp", "ep")}
+    zero = widgets.ToggleButtons(options=[0, 1, 2, 3], description="ZeRO", style=style)
+    micro = widgets.IntSlider(1, min=1, max=16, description="micro_batch", style=style,
+                              continuous_update=False)
+    chunks = widgets.IntSlider(1, min=1, max=512, description="micro-batches", style=style,
+                               continuous_update=False)
+    ckpt = widgets.Checkbox(description="activation checkpointing")
+    sp = widgets.Checkbox(value=True, description="sequence parallelism")
+    picture, text = widgets.Image(format="png"), widgets.HTML()
+    state = {"plan": None, "busy": False}
+
+    def current():
+        base, cl, _ = presets[menu.value]
+        m = dataclasses.replace(base, micro_batch=micro.value,
+                                activation_checkpointing=ckpt.value)
+        inner = sliders["tp"].value * sliders["pp"].value * sliders["cp"].value
+        d = Degrees(dp=max(1, cl.devices // inner), zero=zero.value, microbatches=chunks.value,
+                    sp=sp.value, **{k: s.value for k, s in sliders.items()})
+        return m, cl, d
+
+    def update(_change=None):
+        if state["busy"]:
+            return
+        try:
+            p = plan(*current())
+        except PlanError as refused:
+            state["plan"] = None
+            text.value = f"<b>refused:</b> {refused}"
+            return
+        state["plan"] = p
+        fig = plots.planner_plot([p.row(f"{p.degrees}")])
+        picture.value = _png(fig)
+        lines = str(p).replace("&", "&amp;").replace("<", "&lt;").splitlines()
+        text.value = "<pre>" + "\n".join(lines) + "</pre>"
+
+    def load(_change=None):
+        m, cl, d = presets[menu.value]
+        state["busy"] = True  # one redraw for the whole preset, not one per control
+        for k, s in sliders.items():
+            s.options = factors(cl.devices)
+            s.value = getattr(d, k)
+        zero.value, micro.value, chunks.value = d.zero, m.micro_batch, d.m
+        ckpt.value, sp.value = m.activation_checkpointing, d.sp
+        state["busy"] = False
+        update()
+
+    menu.observe(load, names="value")
+    for control in (*sliders.values(), zero, micro, chunks, ckpt, sp):
+        control.observe(update, names="value")
+    load()
+    box = widgets.VBox([menu, widgets.HBox([widgets.VBox(list(sliders.values())),
+                                            widgets.VBox([zero, micro, chunks, ckpt, sp])]),
+                        picture, text])
+    box.update = update
+    box.plan = lambda: state["plan"]
+    box.controls = {"preset": menu, **sliders, "zero": zero, "micro_batch": micro,
+                    "microbatches": chunks, "checkpointing": ckpt, "sp": sp}
+    return box

@@ -1,0 +1,75 @@
+"""Published training runs, described for the planner, with where each figure comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .describe import Cluster, Degrees, Model
+from .search import Plan, plan
+
+__all__ = ["Published", "PUBLISHED"]
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published training run: its model, its cluster, its layout, where the figures come from."""
+
+    model: Model
+    cluster: Cluster
+    degrees: Degrees
+    source: str
+    notes: str = ""
+
+    def plan(self) -> Plan:
+        return plan(self.model, self.cluster, self.degrees)
+
+
+_A100 = {"memory_gib": 80, "devices_per_node": 8, "intra_GBps": 300.0, "inter_GBps": 25.0,
+         "tflops": 150.0}  # DGX A100: NVLink 3 (600 GB/s both ways), 8 x 200 Gb/s HDR per node
+_H100 = {"memory_gib": 80, "devices_per_node": 8, "intra_GBps": 450.0, "inter_GBps": 50.0,
+         "tflops": 400.0}  # NVLink 4 (900 GB/s both ways), 400 Gb/s per GPU
+
+PUBLISHED = {
+    "gpt3-175b": Published(
+        Model("GPT-3 175B", params=175e9, layers=96, hidden=12288, heads=96, seq_len=2048,
+              micro_batch=1, vocab=51200, activation_checkpointing=True),
+        Cluster(devices=1536, name="1536 A100 80GB", **_A100),
+        Degrees(dp=24, tp=8, pp=8, zero=0, microbatches=64, sp=False),
+        "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters "
+        "Using Megatron-LM' (SC21), Table 1: 96 layers, hidden 12288, 96 heads, t=8, p=8, 1536 "
+        "A100 80GB GPUs, batch 1536 sequences of 2048 tokens, vocabulary 51200.",
+        "Assumed, not from the table: micro-batch 1 (so 64 micro-batches per replica) and full "
+        "activation recomputation, which the paper uses to fit its largest models: without it "
+        "this plan needs about 92 GiB. 2021 Megatron had neither sequence parallelism nor a "
+        "distributed optimizer (sp=False, zero=0). The paper's interleaved schedule is not "
+        "modelled (it holds a little more in flight)."),
+    "megatron-1t": Published(
+        Model("Megatron 1T", params=1008e9, layers=128, hidden=25600, heads=160, seq_len=2048,
+              micro_batch=1, vocab=51200, activation_checkpointing=True),
+        Cluster(devices=3072, name="3072 A100 80GB", **_A100),
+        Degrees(dp=6, tp=8, pp=64, zero=0, microbatches=512, sp=False),
+        "Narayanan et al. 2021 (SC21), Table 1, the largest row: 1008B parameters, 128 layers, "
+        "hidden 25600, 160 heads, t=8, p=64, 3072 A100 80GB GPUs (502 PFLOP/s, the abstract), "
+        "batch 3072 sequences of 2048 tokens.",
+        "Assumed as for GPT-3: micro-batch 1 (512 micro-batches per replica) and full activation "
+        "recomputation."),
+    "llama3-405b": Published(
+        Model("Llama 3 405B", params=405e9, layers=128, hidden=16384, heads=128, kv_heads=8,
+              ffn=53248, seq_len=8192, micro_batch=1, vocab=128256, flash_attention=True,
+              dropout=False),
+        Cluster(devices=16384, name="16384 H100 80GB", **_H100),
+        Degrees(dp=128, tp=8, pp=16, cp=1, zero=3, microbatches=16),
+        "Dubey et al. 2024, 'The Llama 3 Herd of Models', the 405B pre-training layout: 126 "
+        "layers, hidden 16384, FFN 53248, 128 heads with 8 key/value heads, sequence 8192, "
+        "TP 8, CP 1, PP 16, DP 128 on 16384 H100 80GB GPUs, 16M tokens per batch (16 sequences "
+        "per data-parallel rank); its data parallelism is FSDP, sharding parameters, gradients "
+        "and optimizer state (zero=3 here).",
+        "layers=128: the real run has 126 layers and gives the first and last stages one layer "
+        "fewer (they also hold the embedding and the output layer); the planner splits 128 "
+        "slots evenly, 8 per stage. Assumed: micro-batch 1. The activation formula is GPT's: it "
+        "counts SwiGLU's ffn-wide tensors as a GELU MLP's two (gated_mlp=True counts four, and "
+        "then stage 0 needs about 79 GiB: the real run's fused kernels, its lighter first "
+        "stage and whatever recomputation it used are not modelled). The paper orders its "
+        "groups [TP, CP, PP, DP], not Megatron's, and uses an interleaved schedule."),
+}
+
