@@ -35,10 +35,18 @@ def solution(ex_id: str, name: str):
 
 # ---- ddp_training_loop ------------------------------------------------------------------------
 
-def training(*, wrap=True, sampler="distributed", set_epoch=True, step=True):
-    """A DDP training function with one of the usual mistakes switched on."""
+def training(*, wrap=True, sampler="distributed", set_epoch=True, step=True, zero=True,
+             lr_by_world=0, batch_by_world=0, extra_all_reduce=False):
+    """A DDP training function with one of the usual mistakes switched on.
+
+    ``lr_by_world`` and ``batch_by_world``: the power of the world size that multiplies them
+    (1: times the world size, -1: divided by it).
+    """
 
     def train(dataset, make_model, epochs, batch_size, lr):
+        world = dist.get_world_size()
+        lr *= world ** lr_by_world
+        batch_size = max(1, int(batch_size * world ** batch_by_world))
         model = DDP(make_model()) if wrap else make_model()
         if sampler == "distributed":
             shards = DistributedSampler(dataset, seed=0)
@@ -56,19 +64,75 @@ def training(*, wrap=True, sampler="distributed", set_epoch=True, step=True):
             if set_epoch and shards is not None:
                 shards.set_epoch(epoch)
             for x, y in loader:
-                opt.zero_grad()
+                if zero:
+                    opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
+                if extra_all_reduce:  # averages what DDP already averaged: the same values
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
                 opt.step()
         return model
 
     return train
 
 
+def by_hand(dataset, make_model, epochs, batch_size, lr):
+    """A valid loop without the DDP wrapper: one flat all-reduce of the gradients per step."""
+    model, world = make_model(), dist.get_world_size()
+    sampler = DistributedSampler(dataset, seed=3)  # another seed: another valid permutation
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+            for p in model.parameters():
+                p.grad = None
+            nn.functional.cross_entropy(model(x), y).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            dist.all_reduce(flat)
+            flat /= world
+            params = list(model.parameters())
+            for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(g.view_as(p))
+            opt.step()
+    return model
+
+
 def test_ddp_training_loop_solution_passes():
     verdict = exercise.ddp_training_loop(solution("ddp_training_loop", "my_ddp_training"))
     assert verdict, verdict
     assert "disjoint shards" in verdict.detail and "equal replicas" in verdict.detail
+    assert "2 and 4 ranks" in verdict.detail and "one process" in verdict.detail
     assert exercise.ddp_training_loop(training())  # the same, written another way
+    assert exercise.ddp_training_loop(by_hand)  # no DDP, one flat all-reduce per step
+
+
+def test_ddp_training_loop_wrong_gradients_never_zeroed():
+    verdict = exercise.ddp_training_loop(training(zero=False))
+    assert not verdict and "differ from one process" in verdict.detail
+    assert "gradients never zeroed" in verdict.hint and "opt.zero_grad()" in verdict.hint
+
+
+@pytest.mark.parametrize("power, said", [(1, "learning rate 2 x lr"),
+                                         (-1, "learning rate lr / 2")])
+def test_ddp_training_loop_wrong_learning_rate_off_by_the_world_size(power, said):
+    verdict = exercise.ddp_training_loop(training(lr_by_world=power))
+    assert not verdict and "on 2 ranks" in verdict.detail
+    assert said in verdict.hint
+
+
+@pytest.mark.parametrize("power, said", [(1, "2 x batch_size = 3"),
+                                         (-1, "batch_size = 3 split 2 ways")])
+def test_ddp_training_loop_wrong_per_worker_batch_off_by_the_world_size(power, said):
+    verdict = exercise.ddp_training_loop(training(batch_by_world=power))
+    assert not verdict and said in verdict.detail
+    assert "per-worker batch off by the world size" in verdict.hint
+
+
+def test_ddp_training_loop_wrong_second_all_reduce_has_right_weights_but_not_route():
+    verdict = exercise.ddp_training_loop(training(extra_all_reduce=True))
+    assert not verdict and "2 x the 780 bytes of gradients per step" in verdict.detail
+    assert "a second all-reduce" in verdict.hint
 
 
 def test_ddp_training_loop_wrong_no_sampler():

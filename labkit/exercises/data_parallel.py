@@ -31,6 +31,9 @@ def _gap(a, b) -> float:
 
 # ---- the DDP training set-up: model wrapped, data sharded, epoch set -------------------------
 
+_LOOP_WORLDS = (2, 4)  # 40 samples: 20 or 10 per rank, so batches of 3 leave a short last one
+_LOOP_TOL = 1e-5  # float32: the ranks' partial means add up in another order than one process's
+
 
 class _Recorded:
     """A map-style dataset that notes every index read: which samples a rank trained on."""
@@ -46,39 +49,82 @@ class _Recorded:
         return self.x[i], self.y[i]
 
 
-def _train_on_rank(fn, epochs: int, batch_size: int, n: int) -> dict:
-    """Worker: the learner's ``fn(dataset, make_model, epochs, batch_size, lr)`` on this rank."""
+def _loop_data(n: int):
+    """The grading dataset (features, labels): the same on every rank and in the kernel."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(n, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+
+
+def _loop_model():
+    """The model every rank (and the one-process reference) starts from."""
     import torch
     from torch import nn
 
-    gen = torch.Generator().manual_seed(0)  # the same dataset on every rank: fn must split it
-    data = _Recorded(torch.randn(n, 8, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+    torch.manual_seed(0)  # the same initial weights everywhere, as a real script seeds them
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _train_on_rank(fn, epochs: int, batch_size: int, n: int) -> dict:
+    """Worker: the learner's ``fn(dataset, make_model, epochs, batch_size, lr)`` on this rank.
+
+    Notes what it read, the size of each batch its model saw, and what it put on the wire.
+    """
+    from torch import nn
+
+    from ..parallel.traffic import count_traffic
+
+    data = _Recorded(*_loop_data(n))
+    batches: list[int] = []
 
     def make_model():
-        torch.manual_seed(0)  # the same initial weights everywhere, as a real script seeds them
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        model = _loop_model()
+        model[0].register_forward_pre_hook(lambda _, args: batches.append(len(args[0])))
+        return model
 
-    model = fn(data, make_model, epochs, batch_size, 0.1)
+    with count_traffic() as sent:
+        model = fn(data, make_model, epochs, batch_size, 0.1)
     module = getattr(model, "module", model)
     trained = _flat(module) if isinstance(module, nn.Module) else None
-    return {"reads": data.reads, "params": trained, "initial": _flat(make_model()),
-            "returned": type(model).__name__}
+    return {"reads": data.reads, "params": trained, "initial": _flat(_loop_model()),
+            "returned": type(model).__name__, "batches": batches,
+            "all_reduce": [c.payload_bytes for c in sent.calls if c.op == "all_reduce"]}
 
 
-@exercise("ddp_training_loop", notebook=NOTEBOOK, title="the DDP training loop")
-def ddp_training_loop(fn, *, epochs: int = 2, batch_size: int = 4, n: int = 40) -> str:
-    """Exercise: ``fn(dataset, make_model, epochs, batch_size, lr)`` trains with DDP on each rank.
+def _one_process(steps, n: int, lr: float, *, accumulate: bool = False):
+    """The weights one process reaches with SGD on the global batches ``steps`` (index lists).
 
-    Run on 2 ranks: each epoch the ranks must read disjoint shards covering the dataset, epoch
-    2 in a new order, and end with equal replicas that moved from their initial weights.
-
-    Example::
-
-        >>> exercise.ddp_training_loop(my_ddp_training)
-        [pass] the DDP training loop: 2 ranks read disjoint shards of 40 samples ...
+    DDP's promise (section 4): N ranks with batch b take the steps one process takes with the
+    N*b samples they hold together. ``accumulate`` leaves out zero_grad, a known mistake.
     """
-    ranks = on_ranks(_train_on_rank, fn, epochs, batch_size, n)
-    shards = []  # shards[rank][epoch]: the indices in the order that rank read them
+    import torch
+    from torch import nn
+
+    x, y = _loop_data(n)
+    model = _loop_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for idx in steps:
+        if not accumulate:
+            opt.zero_grad()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return _flat(model)
+
+
+def _global_batches(shards, batch_size: int) -> list[list[int]]:
+    """The global batch of every step: step k of each epoch holds every rank's k-th batch."""
+    steps = []
+    for epoch in zip(*shards, strict=True):  # one epoch: each rank's reads, in order
+        per_rank = max(len(reads) for reads in epoch)
+        for start in range(0, per_rank, batch_size):
+            steps.append([i for reads in epoch for i in reads[start:start + batch_size]])
+    return steps
+
+
+def _shards_mistake(ranks, epochs: int, n: int):
+    """Each rank's reads cut into epochs, or the NotYet the sharding earns."""
+    world, shards = len(ranks), []  # shards[rank][epoch]: the indices in the order read
     for rank, out in enumerate(ranks):
         reads, per_epoch = out["reads"], len(out["reads"]) // epochs
         if not reads or len(reads) % epochs:
@@ -86,18 +132,22 @@ def ddp_training_loop(fn, *, epochs: int = 2, batch_size: int = 4, n: int = 40) 
                          "loop over a DataLoader of the `dataset` argument in every epoch, with "
                          "num_workers=0 (the default): the check records what each rank reads")
         shards.append([reads[e * per_epoch:(e + 1) * per_epoch] for e in range(epochs)])
-    first, second = (set(s[0]) for s in shards)
-    if first == second:
-        raise NotYet(f"rank 1 read the same {len(first)} samples as rank 0 in epoch 1",
-                     "was a DistributedSampler used? DataLoader(dataset, batch_size, "
-                     "sampler=DistributedSampler(dataset)) gives each rank its own shard")
-    if first & second:
-        raise NotYet(f"ranks 0 and 1 both read {len(first & second)} of the same samples in "
-                     f"epoch 1", "the shards must not overlap: one DistributedSampler per rank "
-                     "with the same seed (the default) splits one permutation between them")
-    if len(first | second) < n:
-        raise NotYet(f"in epoch 1 the ranks read {len(first | second)} of the {n} samples",
-                     "DistributedSampler(dataset) covers the whole dataset between the ranks")
+    first = [set(s[0]) for s in shards]
+    if all(f == first[0] for f in first[1:]):
+        raise NotYet(f"on {world} ranks, rank 1 read the same {len(first[0])} samples as rank 0 "
+                     f"in epoch 1", "was a DistributedSampler used? DataLoader(dataset, "
+                     "batch_size, sampler=DistributedSampler(dataset)) gives each rank its own "
+                     "shard")
+    for r in range(1, world):
+        if both := first[0] & first[r]:
+            raise NotYet(f"on {world} ranks, ranks 0 and {r} both read {len(both)} of the same "
+                         f"samples in epoch 1", "the shards must not overlap: one "
+                         "DistributedSampler per rank with the same seed (the default) splits "
+                         "one permutation between them")
+    if len(set().union(*first)) < n:
+        raise NotYet(f"in epoch 1 the {world} ranks read {len(set().union(*first))} of the {n} "
+                     f"samples", "DistributedSampler(dataset) covers the whole dataset between "
+                                 "the ranks")
     order = shards[0]
     if order[1] == order[0]:
         if order[0] == sorted(order[0]):
@@ -107,20 +157,131 @@ def ddp_training_loop(fn, *, epochs: int = 2, batch_size: int = 4, n: int = 40) 
         raise NotYet("epoch 2 repeated epoch 1's order on rank 0",
                      "set_epoch? call sampler.set_epoch(epoch) at the top of each epoch: the "
                      "sampler cannot know the epoch otherwise")
-    if ranks[0]["params"] is None:
-        raise NotYet(f"your function returned {ranks[0]['returned']}, not the model",
-                     "end with `return model` (the DDP-wrapped model)")
-    if _gap(ranks[0]["params"], ranks[1]["params"]) > 1e-6:
-        raise NotYet(f"the replicas differ after training (by up to "
-                     f"{_gap(ranks[0]['params'], ranks[1]['params']):.2g})",
-                     "replicas differ: was the model wrapped in DDP? model = DDP(make_model()), "
-                     "and the optimizer built on model.parameters()")
-    if _gap(ranks[0]["params"], ranks[0]["initial"]) == 0:
-        raise NotYet("the weights did not change during training",
-                     "build the optimizer on the DDP model's parameters, and call opt.step() "
-                     "after backward()")
-    return (f"2 ranks read disjoint shards of {n} samples each epoch, epoch 2 in a new order, "
-            f"and ended with equal replicas")
+    return shards
+
+
+def _batch_mistake(ranks, shards, batch_size: int) -> None:
+    """The batches each rank's model saw must be ``batch_size`` of its shard: its share."""
+    world = len(ranks)
+    want = [min(batch_size, len(epoch) - k) for epoch in shards[0]
+            for k in range(0, len(epoch), batch_size)]
+    got = ranks[0]["batches"]
+    if got == want:
+        return
+    seen = max(got, default=0)
+    if seen == batch_size * world:
+        raise NotYet(f"on {world} ranks each rank's model saw batches of {seen} samples, "
+                     f"{world} x batch_size = {batch_size}",
+                     f"per-worker batch off by the world size: batch_size is already this "
+                     f"worker's share of the global batch, DataLoader(dataset, "
+                     f"batch_size=batch_size, sampler=...); the global batch is {world} x "
+                     f"{batch_size}")
+    if seen and seen == max(1, batch_size // world):
+        raise NotYet(f"on {world} ranks each rank's model saw batches of {seen} samples, "
+                     f"batch_size = {batch_size} split {world} ways",
+                     "per-worker batch off by the world size: batch_size is already this "
+                     "worker's share; the sampler splits the dataset, not each batch")
+    raise NotYet(f"rank 0's model saw batches of {sorted(set(got))} samples; with "
+                 f"batch_size={batch_size} and its shard of {len(shards[0][0])} they are "
+                 f"{sorted(set(want))}",
+                 "one forward per batch of DataLoader(dataset, batch_size=batch_size, "
+                 "sampler=sampler), and one optimizer step per forward")
+
+
+def _route_mistake(ranks, steps: int) -> None:
+    """What crossed the wire: one all-reduce of the gradients per step, DDP's and no other."""
+    world = len(ranks)
+    grad_bytes = 4 * ranks[0]["params"].numel()  # float32 gradients, one of each parameter
+    for rank, out in enumerate(ranks):
+        reduced = sum(out["all_reduce"])
+        if reduced == steps * grad_bytes:
+            continue
+        if reduced > steps * grad_bytes:
+            times = reduced / (steps * grad_bytes)
+            raise NotYet(f"on {world} ranks, rank {rank} all-reduced {reduced:,} bytes in "
+                         f"{steps} steps: {times:.3g} x the {grad_bytes:,} bytes of gradients "
+                         f"per step ({len(out['all_reduce'])} all-reduce calls)",
+                         "a second all-reduce: DDP already averages the gradients during "
+                         "backward(); an all_reduce of p.grad of your own sends them again (and "
+                         "its result equals what DDP left, so only the traffic shows it). "
+                         "Remove it")
+        raise NotYet(f"on {world} ranks, rank {rank} all-reduced {reduced:,} bytes in {steps} "
+                     f"steps, less than the {grad_bytes:,} bytes of gradients per step",
+                     "every step's backward must go through the DDP-wrapped model (no no_sync), "
+                     "so that DDP all-reduces every gradient")
+
+
+def _weights_mistake(ranks, shards, batch_size: int, lr: float, n: int) -> None:
+    """Rank 0's final weights against one process trained on the same global batches."""
+    import torch
+
+    world, got = len(ranks), ranks[0]["params"].double()
+    steps = _global_batches(shards, batch_size)
+    want = _one_process(steps, n, lr)
+    gap = float((got - want).abs().max())
+    if gap <= _LOOP_TOL:
+        return
+    said = (f"on {world} ranks the weights after {len(steps)} steps differ from one process "
+            f"trained on the same global batches of {world} x {batch_size} by up to {gap:.2g}")
+    known = [
+        (_one_process(steps, n, lr, accumulate=True),
+         "gradients never zeroed: they pile up from step to step. Call opt.zero_grad() before "
+         "each backward()"),
+        (_one_process(steps, n, lr * world),
+         f"learning rate {world} x lr: the lr argument is already the rate for the global "
+         f"batch (DDP averages the gradients, it does not sum them); use "
+         f"torch.optim.SGD(model.parameters(), lr=lr)"),
+        (_one_process(steps, n, lr / world),
+         f"learning rate lr / {world}: DDP already averages the gradients over the ranks; use "
+         f"lr as given"),
+    ]
+    for weights, hint in known:
+        if torch.allclose(got, weights, rtol=0, atol=_LOOP_TOL):
+            raise NotYet(said, hint)
+    raise NotYet(said, "one plain SGD step per batch: opt.zero_grad(), cross_entropy(model(x), "
+                       "y).backward(), opt.step(), with torch.optim.SGD(model.parameters(), "
+                       "lr=lr) (no momentum, no other loss)")
+
+
+@exercise("ddp_training_loop", notebook=NOTEBOOK, title="the DDP training loop")
+def ddp_training_loop(fn, *, epochs: int = 2, batch_size: int = 3, n: int = 40,
+                      worlds=_LOOP_WORLDS) -> str:
+    """Exercise: ``fn(dataset, make_model, epochs, batch_size, lr)`` trains with DDP on each rank.
+
+    Run on 2, then 4 ranks: each epoch the ranks must read disjoint shards covering the
+    dataset, epoch 2 in a new order, in batches of ``batch_size`` (the last one shorter); end
+    with equal replicas whose weights are those of one process trained with SGD on the same
+    global batches (the equality of section 4); and all-reduce the gradients once per step.
+
+    Example::
+
+        >>> exercise.ddp_training_loop(my_ddp_training)
+        [pass] the DDP training loop: on 2 and 4 ranks, disjoint shards of 40 samples ...
+    """
+    lr = 0.1
+    for world in worlds:
+        ranks = on_ranks(_train_on_rank, fn, epochs, batch_size, n, nproc=world)
+        shards = _shards_mistake(ranks, epochs, n)
+        if ranks[0]["params"] is None:
+            raise NotYet(f"your function returned {ranks[0]['returned']}, not the model",
+                         "end with `return model` (the DDP-wrapped model)")
+        spread = max(_gap(ranks[0]["params"], r["params"]) for r in ranks[1:])
+        if spread > 1e-6:
+            raise NotYet(f"on {world} ranks the replicas differ after training (by up to "
+                         f"{spread:.2g})",
+                         "replicas differ: was the model wrapped in DDP? model = DDP("
+                         "make_model()), and the optimizer built on model.parameters()")
+        if _gap(ranks[0]["params"], ranks[0]["initial"]) == 0:
+            raise NotYet("the weights did not change during training",
+                         "build the optimizer on the DDP model's parameters, and call opt.step() "
+                         "after backward()")
+        _batch_mistake(ranks, shards, batch_size)
+        _route_mistake(ranks, len(ranks[0]["batches"]))
+        _weights_mistake(ranks, shards, batch_size, lr, n)
+    return (f"on {' and '.join(map(str, worlds))} ranks, disjoint shards of {n} samples each "
+            f"epoch, epoch 2 in a new order, equal replicas with the weights of one process "
+            f"trained on the same global batches (to {_LOOP_TOL:g}), one all-reduce of the "
+            f"gradients per step")
 
 
 # ---- the validation metric: counts all-reduced, not accuracies averaged ----------------------
