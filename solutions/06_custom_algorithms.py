@@ -36,3 +36,23 @@ def my_compress(grad, residual, k):
     new_residual = full.clone()
     new_residual[indices] = 0  # sent now: not again
     return values, indices, new_residual
+
+# %% halving_doubling
+def my_halving_doubling(x):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    segment, steps = x.view(-1), []  # the part this rank still reduces; (partner, kept, given)
+    distance = world // 2
+    while distance:  # recursive halving: a reduce-scatter in log2 n steps
+        partner = rank ^ distance
+        low, high = segment.tensor_split(2)  # both partners hold this same segment
+        keep, give = (low, high) if rank < partner else (high, low)
+        incoming = torch.empty_like(keep)
+        for work in (dist.isend(give, partner), dist.irecv(incoming, partner)):
+            work.wait()
+        keep += incoming
+        steps.append((partner, keep, give))
+        segment, distance = keep, distance // 2
+    for partner, keep, give in reversed(steps):  # recursive doubling: the finished parts back
+        for work in (dist.isend(keep, partner), dist.irecv(give, partner)):
+            work.wait()  # `give` is a view into x: the partner's finished half lands in place
+    return x

@@ -282,3 +282,188 @@ def topk_error_feedback(fn, steps: int = 12) -> str:
         raise NotYet(f"after {steps} steps sent + residual differs from the gradients' sum", _LOST)
     return (f"the top k of grad + residual sent, the rest kept; over {steps} steps sent + "
             f"residual = the sum of the gradients (nothing lost, only delayed)")
+
+
+# ==== challenge: the whole all-reduce by recursive halving and doubling (Rabenseifner) =======
+# Graded on 2 and 4 real ranks by the values (tagged, so a miscount is diagnosed) and by the
+# route: point-to-point messages only, 2 log2 n of them per rank, 2 (n - 1)/n of the bytes.
+
+_HD_CASES = ("float32", "float64", "int64")  # one dtype per shape below, in this order
+_HD_ROUTE = ("step k (k = 0, 1, ...) pairs rank r with r XOR (n >> (k + 1)) (or any fixed order "
+             "of the partners r XOR 2^j): split the segment you are responsible for in two "
+             "halves, send your partner the half it keeps, receive its copy of the half you keep "
+             "and add it; after log2 n steps you hold 1/n of the tensor summed; then retrace "
+             "the steps backwards, sending your finished segment to the same partners and "
+             "receiving theirs")
+
+
+_HD_BUFFER = ("receive into a buffer of the size and dtype of the half it is added to "
+              "(torch.empty_like(half)): x may be float64 or int64, and both partners split the "
+              "same segment the same way (tensor_split(2)), so the half one sends is the size "
+              "of the half the other receives into")
+
+
+def _hd_on_ranks(fn, world: int) -> list:
+    """``on_ranks`` on ``world`` ranks; a hang or an aborted rank named for what it is here."""
+    try:
+        return on_ranks(_halving_doubling_worker, fn, nproc=world, timeout=TIMEOUT)
+    except NotYet as wrong:
+        hint = wrong.hint
+        if wrong.stuck:
+            hint = ("deadlock: start the send and the receive of each step together "
+                    "(dist.isend and dist.irecv, then wait() on both), and make sure both "
+                    "partners take the same number of steps")
+        elif any(sign in wrong.detail for sign in ("size doesn't match", "SIGABRT",
+                                                   "Connection reset", "native code")):
+            # what gloo does when a message is larger than its receive buffer: abort the rank
+            hint = ("a message arrived into a buffer of another size or dtype (gloo aborted a "
+                    "rank): " + _HD_BUFFER)
+        raise NotYet(f"on {world} ranks: {wrong.detail}", hint) from None
+
+
+def _hd_shapes(world: int) -> list[tuple[int, ...]]:
+    """A tensor smaller than the ranks (empty halves), an odd length, a 2-D one that divides."""
+    return [(1,), (2 * world + 1,), (2, 2 * world)]
+
+
+def _halving_doubling_worker(fn) -> list[dict]:
+    """Each rank: ``fn(x)`` on tagged tensors of each shape and dtype; what it sent and left."""
+    import torch
+    import torch.distributed as dist
+
+    from ..parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for shape, dtype in zip(_hd_shapes(world), _HD_CASES, strict=True):
+        numel = 1
+        for d in shape:
+            numel *= d
+        x = (torch.arange(1, numel + 1, dtype=torch.int64) * BASE ** rank).to(
+            getattr(torch, dtype)).reshape(shape)
+        with traffic.count_traffic() as t:
+            returned = fn(x)
+        out.append({"x": x.clone(), "same_object": returned is x,
+                    "returned": None if not isinstance(returned, torch.Tensor)
+                    else returned.detach().clone(),
+                    "calls": [(c.op, c.payload_bytes, c.sent_bytes) for c in t.calls]})
+    return out
+
+
+def _hd_route(world: int, rank: int, shape, dtype: str, got: dict, esize: int) -> None:
+    """Raise NotYet unless rank ``rank`` sent by halving and doubling: messages, bytes."""
+    import math
+
+    where = f"on {world} ranks (rank {rank}), {dtype} of shape {tuple(shape)}"
+    numel = math.prod(shape)
+    ops = [op for op, _, _ in got["calls"]]
+    collectives = sorted({op for op in ops if op not in ("send", "recv")})
+    if collectives:
+        raise NotYet(f"{where}: it called {', '.join(collectives)}",
+                     "write it from point-to-point messages only (dist.isend / dist.irecv, or "
+                     "dist.batch_isend_irecv): the collective is what you are building")
+    sends, steps = ops.count("send"), 2 * int(math.log2(world))
+    sent = sum(s for op, _, s in got["calls"] if op == "send")
+    size = numel * esize
+    whole = [b for op, b, _ in got["calls"] if op == "send"]
+    if sends == steps // 2 and whole and all(b == size for b in whole):
+        raise NotYet(f"{where}: {sends} messages of the whole tensor ({size} bytes each)",
+                     "that is recursive doubling: log2 n steps of the whole tensor, log2 n times "
+                     "the bytes. Halve instead: each step of the first phase sends only the half "
+                     "your partner keeps, so the bytes shrink by half every step; " + _HD_ROUTE)
+    if sends == 2 * (world - 1) and sends != steps:
+        raise NotYet(f"{where}: {sends} messages, the ring's 2(n - 1); halving and doubling "
+                     f"takes 2 log2 n = {steps}", "pair with partners at distance n/2, n/4, ... "
+                     "(rank XOR distance), not your ring neighbours; " + _HD_ROUTE)
+    if sends != steps:
+        raise NotYet(f"{where}: {sends} messages sent; halving and doubling sends 2 log2 n = "
+                     f"{steps} (one per step, log2 n steps of each phase)", _HD_ROUTE)
+    if numel % world == 0 and sent != 2 * (world - 1) * size // world:
+        raise NotYet(f"{where}: sent {sent} bytes; halving and doubling sends 2(n - 1)/n of the "
+                     f"tensor, {2 * (world - 1) * size // world} bytes, like the ring",
+                     "each step of the first phase sends half of the segment you still hold "
+                     "(S/2, S/4, ...), and the second phase sends the same sizes back: "
+                     + _HD_ROUTE)
+
+
+def _hd_values(world: int, rank: int, shape, dtype: str, got: dict) -> None:
+    """Raise NotYet unless ``x`` holds the sum over the ranks in place, tagged digits diagnosed."""
+    import torch
+
+    where = f"on {world} ranks (rank {rank}), {dtype} of shape {tuple(shape)}"
+    x = got["x"]
+    if tuple(x.shape) != tuple(shape) or str(x.dtype) != f"torch.{dtype}":
+        raise NotYet(f"{where}: x became {x.dtype} of shape {tuple(x.shape)}",
+                     "sum in place into x itself: work on a flat view, x.view(-1), and receive "
+                     "into buffers of x's dtype (torch.empty_like)")
+    flat = x.reshape(-1)
+    want = torch.arange(1, flat.numel() + 1, dtype=torch.float64) * sum(
+        BASE ** r for r in range(world))
+    if torch.equal(flat.double(), want):
+        back = got["returned"]
+        if not got["same_object"] and not (back is not None and back.numel() == flat.numel()
+                                           and torch.equal(back.reshape(-1), flat)):
+            raise NotYet(f"{where}: x holds the sum but the function returned "
+                         f"{'None' if got['returned'] is None else 'another tensor'}",
+                         "return x, as dist.all_reduce's callers expect the summed tensor")
+        return
+    returned = got["returned"]
+    if returned is not None and returned.numel() == flat.numel() and torch.equal(
+            returned.reshape(-1).double(), want):
+        raise NotYet(f"{where}: the returned tensor holds the sum, x itself does not",
+                     "work in place: x.view(-1) and its slices are views, so += and copy_ into "
+                     "them change x; x.reshape(-1) of a contiguous tensor is a view too, "
+                     "torch.cat(...) is not")
+    for i in range(flat.numel()):
+        shares = _shares(flat[i:i + 1], i, world)
+        if shares != [1] * world:
+            said = (f"{where}: entry {i} holds each rank's entry "
+                    f"{shares if shares else 'in no countable way'} times (want {[1] * world})")
+            if shares and max(shares) > 1:
+                hint = ("a contribution was added twice: in the second phase the arriving "
+                        "segment is already finished, so copy it into place, do not add it")
+            elif shares and shares[rank] == 0:
+                hint = ("rank r's own part was overwritten: receive into a separate buffer and "
+                        "add it (segment += buf)")
+            else:
+                hint = ("some part never arrived finished: each rank must end the first phase "
+                        "with a different 1/n segment, and send it back along the same "
+                        "partners in reverse order; " + _HD_ROUTE)
+            raise NotYet(said, hint)
+    raise NotYet(f"{where}: x is not the sum over the ranks", _HD_ROUTE)
+
+
+@exercise("halving_doubling", notebook=NOTEBOOK,
+          title="challenge: all-reduce by recursive halving and doubling")
+def halving_doubling(fn, worlds=(2, 4)) -> str:
+    """Challenge: ``fn(x)`` sums ``x`` over a power-of-two number of ranks in place, returns it.
+
+    Run on real gloo ranks (``worlds``) on tagged tensors: 1 float32 entry (halves that are
+    empty), 2n + 1 float64 entries (uneven halves), a 2 x 2n int64 tensor; every rank must hold
+    exactly the sum, bitwise the same on all ranks, in ``x`` itself, having sent only
+    point-to-point messages: 2 log2 n per rank, 2(n - 1)/n of the tensor's bytes.
+
+    Example::
+
+        >>> exercise.halving_doubling(my_halving_doubling)
+        [pass] challenge: all-reduce by recursive halving and doubling: on 2 and 4 ranks ...
+    """
+    import math
+
+    for world in worlds:
+        results = _hd_on_ranks(fn, world)
+        shapes = _hd_shapes(world)
+        for rank, per_rank in enumerate(results):
+            for shape, dtype, got in zip(shapes, _HD_CASES, per_rank, strict=True):
+                _hd_values(world, rank, shape, dtype, got)
+                _hd_route(world, rank, shape, dtype, got, got["x"].element_size())
+        for k, shape in enumerate(shapes):
+            if any(not bool((r[k]["x"] == results[0][k]["x"]).all()) for r in results):
+                raise NotYet(f"on {world} ranks, shape {shape}: the ranks' sums differ",
+                             "each segment is summed on one rank and copied to the others, so "
+                             "every rank holds bitwise the same result")
+    steps = ", ".join(f"{2 * int(math.log2(w))} messages on {w} ranks" for w in worlds)
+    return (f"on {' and '.join(map(str, worlds))} ranks, float32, float64 and int64, an empty "
+            f"half and uneven halves: the exact sum in place, from point-to-point messages only "
+            f"({steps}), 2(n - 1)/n of the bytes")
+
