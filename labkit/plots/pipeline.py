@@ -1,0 +1,184 @@
+"""Figures of notebooks 03 and 10: pipeline timelines (1F1B and GPipe, then interleaved and
+zero-bubble schedules) and the bubble against the number of micro-batches."""
+
+from __future__ import annotations
+
+from ._common import figure_for
+
+__all__ = ["pipeline_timeline", "bubble_plot", "schedule_timeline_plot"]
+
+
+_PIPELINE_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}  # forward blue, backward orange
+
+
+def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 0, ax=None):
+    """Gantt chart of one pipeline step: one row per rank, F and B blocks, idle as gaps.
+
+    Each block carries its micro-batch number; the white space between blocks is the bubble
+    (and, on real hardware, waiting for messages). Events of several steps (``run_pipeline``
+    with ``steps > 1``) are filtered to ``step``. Draws on ``ax`` when given; returns the
+    Figure.
+
+    Example::
+
+        >>> out = labkit.launch(run_pipeline, stage_builder(mlp_stack), "1f1b", 4,
+        ...                     example_batch(256), nproc=2).values[0]
+        >>> fig = pipeline_timeline(out["events"], title="1F1B, 2 stages, 4 micro-batches")
+    """
+    from matplotlib.patches import Patch
+
+    if not events:
+        raise ValueError("no events to plot: pass the 'events' that run_pipeline or simulate "
+                         "returned")
+    missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
+    if missing:
+        raise ValueError(f"events lack {sorted(missing)}: pass the events run_pipeline returned")
+    shown = [e for e in events if e.get("step", 0) == step]
+    if not shown:
+        steps = sorted({e.get("step", 0) for e in events})
+        raise ValueError(f"no events of step {step}: the events hold steps {steps}")
+    ranks = sorted({e["rank"] for e in shown})
+    t0 = min(e["start"] for e in shown)
+    # Measured steps last milliseconds; simulate()'s unit slots (1.0, 2.0) are drawn as they are.
+    scale, unit = (1e3, "ms") if max(e["end"] for e in shown) - t0 < 2 else (1.0, "s")
+    fig, ax = figure_for(ax, (10, 0.6 * len(ranks) + 1.4))
+    for e in shown:
+        left, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+        ax.barh(e["rank"], width, left=left, height=0.7, color=_PIPELINE_COLOURS[e["kind"]],
+                edgecolor="white", linewidth=0.8)
+        ax.text(left + width / 2, e["rank"], str(e["micro"]), ha="center", va="center",
+                color="white", fontsize=8, clip_on=True)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()  # rank 0, the first stage, on top
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlim(0, None)
+    ax.legend(handles=[Patch(color=c, label={"F": "forward", "B": "backward"}[k])
+                       for k, c in _PIPELINE_COLOURS.items()],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def bubble_plot(rows: list[dict], ax=None):
+    """Measured bubble against the micro-batch count ``m``, beside ``(p - 1) / (m + p - 1)``.
+
+    One line of measurements per schedule (rows of ``bubble_sweep``), dotted beside it the
+    schedule replayed with the measured stage times and hand-over cost (when the rows have
+    ``with_messages``), and the formula as a dashed line; ``m`` on a log-2 axis. Draws on
+    ``ax`` when given; returns the Figure.
+
+    Example::
+
+        >>> rows = labkit.launch(bubble_sweep, stage_builder(mlp_stack), [1, 2, 4, 8],
+        ...                      example_batch(256), nproc=2).values[0]
+        >>> fig = bubble_plot(rows)
+    """
+
+    if not rows:
+        raise ValueError("no rows to plot: pass the list that bubble_sweep returned")
+    missing = {"schedule", "m", "measured", "formula", "stages"} - set(rows[0])
+    if missing:
+        raise ValueError(f"rows lack {sorted(missing)}: pass the rows bubble_sweep returned")
+    fig, ax = figure_for(ax, (6, 4))
+    ms = sorted({r["m"] for r in rows})
+    formula = {r["m"]: r["formula"] for r in rows}
+    stages = rows[0]["stages"]
+    ax.plot(ms, [formula[m] for m in ms], "k--",
+            label=f"formula (p - 1) / (m + p - 1), p = {stages}")
+    for name in dict.fromkeys(r["schedule"] for r in rows):
+        mine = sorted((r for r in rows if r["schedule"] == name), key=lambda r: r["m"])
+        line, = ax.plot([r["m"] for r in mine], [r["measured"] for r in mine], "o-",
+                        label=f"measured, {name}")
+        if "with_messages" in mine[0]:
+            ax.plot([r["m"] for r in mine], [r["with_messages"] for r in mine], ":",
+                    color=line.get_color(),
+                    label=f"model with measured stages and messages, {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle fraction)")
+    ax.set_ylim(0, max(0.55, max(r["measured"] for r in rows) * 1.1))
+    ax.legend(frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# forward blue, backward (full or input) orange, weight gradient green
+_SCHEDULE_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+
+
+def schedule_timeline_plot(events: list[dict], title: str | None = None, step: int = 0, ax=None):
+    """Gantt chart of one pipeline step with chunks and split backwards: one row per rank.
+
+    Draws the events of ``schedules.simulate`` / ``schedule_timeline`` / ``pipelined_step``
+    (``rank, kind, chunk, micro, start, end``, optional ``step``): F blue, B orange (the full
+    backward, or its input half), W green (the weight half); a rank's later chunks in paler
+    shades; each block labelled ``chunk.micro`` when there are several chunks, else ``micro``.
+    White space is the bubble. Measured events of several steps are filtered to ``step``.
+    Draws on ``ax`` when given; returns the Figure.
+
+    Example::
+
+        >>> from labkit.parallel import schedules
+        >>> t = schedules.schedule_timeline("interleaved 1f1b", 4, 8, chunks=2)
+        >>> fig = schedule_timeline_plot(t["events"], title="interleaved 1F1B, p=4, v=2")
+    """
+    from matplotlib import colors as mcolors
+    from matplotlib.patches import Patch
+
+    if not events:
+        raise ValueError("no events to plot: pass the 'events' of schedules.simulate, "
+                         "schedule_timeline or pipelined_step")
+    missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
+    if missing:
+        raise ValueError(f"events lack {sorted(missing)}: pass the events schedules.simulate or "
+                         f"pipelined_step returned")
+    shown = [e for e in events if e.get("step", 0) == step]
+    if not shown:
+        steps = sorted({e.get("step", 0) for e in events})
+        raise ValueError(f"no events of step {step}: the events hold steps {steps}")
+    ranks = sorted({e["rank"] for e in shown})
+    chunks = max(e.get("chunk", 0) for e in shown) + 1
+    t0 = min(e["start"] for e in shown)
+    # Measured events (they carry "step") are in seconds; simulated ones in the costs' units.
+    if "step" in shown[0]:
+        scale, unit = (1e3, "ms") if max(e["end"] for e in shown) - t0 < 2 else (1.0, "s")
+    else:
+        scale, unit = 1.0, "time units"
+    span = float(max(e["end"] for e in shown) - t0) * scale
+    if span <= 0:
+        raise ValueError("every event has zero length: nothing to draw (simulate with positive "
+                         "costs f, b, w, or pass a measured step)")
+    fig, ax = figure_for(ax, (11, 0.55 * len(ranks) + 1.5))
+    # Points per time unit, to leave out the labels that would not fit in their block.
+    per_unit = ax.get_window_extent().width * 72 / fig.dpi / span
+    for e in shown:
+        chunk = e.get("chunk", 0)
+        base = mcolors.to_rgb(_SCHEDULE_COLOURS[e["kind"]])
+        fade = 0.55 * chunk / max(chunks - 1, 1)  # later chunks paler, towards white
+        colour = tuple(c + (1 - c) * fade for c in base)
+        left, width = float(e["start"] - t0) * scale, float(e["end"] - e["start"]) * scale
+        ax.barh(e["rank"], width, left=left, height=0.7, color=colour, edgecolor="white",
+                linewidth=0.6)
+        label = f"{chunk}.{e['micro']}" if chunks > 1 else str(e["micro"])
+        if len(label) * 7 * 0.62 < width * per_unit:
+            ax.text(left + width / 2, e["rank"], label, ha="center", va="center", fontsize=7,
+                    color="black" if fade > 0.3 else "white", clip_on=True)
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()  # rank 0, the first stage, on top
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlim(0, None)
+    kinds = sorted({e["kind"] for e in shown}, key="FBW".index)
+    names = {"F": "forward", "B": "backward (input)" if "W" in kinds else "backward",
+             "W": "weight grad"}
+    handles = [Patch(color=_SCHEDULE_COLOURS[k], label=names[k]) for k in kinds]
+    if chunks > 1:
+        handles.append(Patch(color="#BBBBBB", label="paler: later chunk (label chunk.micro)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    return fig
