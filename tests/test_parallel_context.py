@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,16 @@ def test_orders_ranks_and_shard_lists_are_checked():
         shard_sequence(x, 2, 2)
     with pytest.raises(ValueError, match=r"world must be a whole number >= 1, got 0"):
         ring_schedule(0)
+    # A flag is not a count, although Python calls True 1; NumPy's integers are counts.
+    with pytest.raises(ValueError, match=r"world must be a whole number >= 1, got True"):
+        sequence_chunks(0, True)
+    with pytest.raises(ValueError, match=r"rank must be 0 \.\.\. 1 for world=2, got True"):
+        sequence_chunks(True, 2)
+    with pytest.raises(ValueError, match=r"rank must be a whole number >= 0, got 1.0"):
+        shard_sequence(x, 1.0, 2)
+    assert sequence_chunks(np.int64(1), np.int64(2), "zigzag") == [1, 2]
+    assert torch.equal(shard_sequence(x, np.int32(1), np.int64(2)), x[:, :, 4:])
+    assert len(ring_schedule(np.int64(2))) == 2 * 2
     with pytest.raises(ValueError, match=r"needs every rank's shard, in rank order: got none"):
         unshard_sequence([])
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from labkit._dist import collective_device
-from labkit._sizes import multiples_near
+from labkit._sizes import multiples_near, whole
 from labkit.parallel import transformer
 
 __all__ = ["ORDERS", "block_attention", "merge", "shard_sequence",
@@ -130,11 +130,12 @@ def _check_length(seq: int, world: int, order: str) -> int:
                      f"of {world} (e.g. {multiples_near(seq, pieces)})")
 
 
-def _check_rank(rank, world):
-    if not (isinstance(world, int) and world >= 1):
-        raise ValueError(f"world must be a whole number >= 1, got {world!r}")
-    if not (isinstance(rank, int) and 0 <= rank < world):
+def _check_rank(rank, world) -> tuple[int, int]:
+    """``(rank, world)`` as ints (NumPy integers welcome, ``True`` refused), or a ValueError."""
+    world = whole(world, "world")
+    if isinstance(rank, bool) or not whole(rank, "rank", low=0) < world:
         raise ValueError(f"rank must be 0 ... {world - 1} for world={world}, got {rank!r}")
+    return int(rank), world
 
 
 def sequence_chunks(rank: int, world: int, order: str = "contiguous") -> list[int]:
@@ -149,7 +150,7 @@ def sequence_chunks(rank: int, world: int, order: str = "contiguous") -> list[in
         ([1], [1, 6])
     """
     _check_order(order)
-    _check_rank(rank, world)
+    rank, world = _check_rank(rank, world)
     return [rank] if order == "contiguous" else [rank, 2 * world - 1 - rank]
 
 
@@ -164,7 +165,7 @@ def shard_sequence(x, rank: int, world: int, order: str = "contiguous", dim: int
         >>> shard_sequence(x, 1, 2).flatten(), shard_sequence(x, 1, 2, "zigzag").flatten()
         (tensor([4, 5, 6, 7]), tensor([2, 3, 4, 5]))
     """
-    _check_rank(rank, world)
+    rank, world = _check_rank(rank, world)
     size = _check_length(x.shape[dim], world, order)
     parts = [x.narrow(dim, c * size, size) for c in sequence_chunks(rank, world, order)]
     return torch.cat(parts, dim=dim)  # cat copies, even of one part
@@ -234,7 +235,7 @@ def ring_schedule(world: int, order: str = "contiguous", causal: bool = True) ->
         [4]
     """
     _check_order(order)
-    _check_rank(0, world)
+    _, world = _check_rank(0, world)
     rows = []
     for step in range(world):
         for rank in range(world):
