@@ -13,10 +13,10 @@ from labkit import launch
 from labkit.parallel.memory import (
     STRATEGIES,
     activation_memory,
-    block_stack,
     estimate_memory,
     forward_blocks,
     fsdp_memory,
+    mlp_blocks,
 )
 
 from .conftest import cuda_gpus
@@ -31,11 +31,11 @@ def fsdp_checks() -> dict:
     """Run on every rank of one launch: even shards, uneven shards, mixed precision."""
     from functools import partial
 
-    from labkit.parallel.memory import block_stack, fsdp_memory
+    from labkit.parallel.memory import fsdp_memory, mlp_blocks
 
-    return {"even": fsdp_memory(partial(block_stack, 2, 16), steps=2),
-            "uneven": fsdp_memory(partial(block_stack, 1, 5)),  # 5 rows: 3 + 2 over 2 ranks
-            "mixed": fsdp_memory(partial(block_stack, 2, 16), mixed_precision=True)}
+    return {"even": fsdp_memory(partial(mlp_blocks, 2, 16), steps=2),
+            "uneven": fsdp_memory(partial(mlp_blocks, 1, 5)),  # 5 rows: 3 + 2 over 2 ranks
+            "mixed": fsdp_memory(partial(mlp_blocks, 2, 16), mixed_precision=True)}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_estimate_memory_errors_say_what_to_use(kwargs, message):
 
 def test_checkpointing_keeps_only_the_block_inputs():
     x = torch.randn(16, 32)
-    model = partial(block_stack, 8, 32)
+    model = partial(mlp_blocks, 8, 32)
     plain = activation_memory(model, x, repeats=1)
     ckpt = activation_memory(model, x, checkpoint=True, repeats=1)
     # Per block: its input (16 x 32), the first Linear's output and GELU's (16 x 128 each).
@@ -125,7 +125,7 @@ def test_checkpointing_keeps_only_the_block_inputs():
 
 def test_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
-    model, x = block_stack(8, 32), torch.randn(16, 32, requires_grad=True)
+    model, x = mlp_blocks(8, 32), torch.randn(16, 32, requires_grad=True)
     grads = []
     for checkpoint in (False, True):
         model.zero_grad()
@@ -142,18 +142,18 @@ def test_activation_memory_wants_a_sequential_of_blocks():
 
 def test_activation_memory_refuses_bad_repeats():
     with pytest.raises(ValueError, match="repeats must be a whole number >= 1, got 0"):
-        activation_memory(lambda: block_stack(1, 4), torch.randn(2, 4), repeats=0)
+        activation_memory(lambda: mlp_blocks(1, 4), torch.randn(2, 4), repeats=0)
 
 
 def test_fsdp_memory_refuses_bad_steps_and_models_it_cannot_feed():
     from labkit.parallel.memory import _first_linear_input
 
     with pytest.raises(ValueError, match="steps must be a whole number >= 1, got 0"):
-        fsdp_memory(partial(block_stack, 1, 4), steps=0)
+        fsdp_memory(partial(mlp_blocks, 1, 4), steps=0)
     conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))
     with pytest.raises(ValueError, match=r"found none: pass input_fn=lambda: torch\.randn"):
         _first_linear_input(conv, 2, torch.device("cpu"))
-    assert _first_linear_input(block_stack(1, 4), 2, torch.device("cpu")).shape == (2, 4)
+    assert _first_linear_input(mlp_blocks(1, 4), 2, torch.device("cpu")).shape == (2, 4)
 
 
 def test_tp_and_pp_left_out_default_to_the_whole_world_only_for_their_own_strategy():
@@ -165,7 +165,7 @@ def test_tp_and_pp_left_out_default_to_the_whole_world_only_for_their_own_strate
 
 def test_fsdp_memory_needs_a_worker():
     with pytest.raises(RuntimeError, match="not initialised: run this inside a worker"):
-        fsdp_memory(partial(block_stack, 1, 4))
+        fsdp_memory(partial(mlp_blocks, 1, 4))
 
 
 # ---- fsdp_memory on two ranks ----------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_fsdp2_mixed_precision_keeps_fp32_shards_16_bytes_per_param_in_all(two_r
 def test_fsdp_memory_on_two_gpus_with_nccl():
     n = _params(256, 4)
     zero3 = estimate_memory(n, strategy="zero3", world_size=2, precision="fp32")
-    values = launch(fsdp_memory, partial(block_stack, 4, 256), nproc=2, backend="nccl",
+    values = launch(fsdp_memory, partial(mlp_blocks, 4, 256), nproc=2, backend="nccl",
                     show_ranks=[], timeout=300).values
     for v in values:
         assert v["sharded"]["total"] == zero3["total"]

@@ -13,8 +13,8 @@ from labkit.parallel import pipeline
 from labkit.parallel.schedules import (
     SCHEDULE_NAMES,
     bubble_of,
+    check_chunked_schedule,
     check_message_order,
-    check_schedule,
     interleaved_1f1b,
     interleaved_bubble,
     interleaved_bubble_fraction,
@@ -23,7 +23,7 @@ from labkit.parallel.schedules import (
     peak_in_flight,
     pipelined_step,
     schedule_timeline,
-    simulate,
+    simulate_chunked,
     zero_bubble,
     zero_bubble_formula,
 )
@@ -74,12 +74,12 @@ def test_zero_bubble_p2_m3_exact():
 def test_schedules_are_valid_for_many_sizes(p, v):
     for m in (p, 2 * p, 3 * p):
         for schedule in (interleaved_1f1b(p, v, m), zero_bubble(p, m, v)):
-            actions = check_schedule(schedule, p, m, v)  # every action once, no deadlock
+            actions = check_chunked_schedule(schedule, p, m, v)  # every action once, no deadlock
             kinds = {k for row in actions for k, _, _ in row}
             assert all(len(row) == len(kinds) * v * m for row in actions)
         check_message_order(interleaved_1f1b(p, v, m), p, v)
     for m in (1, 2, 7):  # zero bubble with one chunk: any m, like 1F1B
-        check_schedule(zero_bubble(p, m), p, m)
+        check_chunked_schedule(zero_bubble(p, m), p, m)
 
 
 def test_make_schedule_names_the_four():
@@ -97,7 +97,7 @@ def test_make_schedule_names_the_four():
                                      (3, 2, 6), (8, 2, 16), (4, 4, 16), (2, 1, 4), (4, 1, 8)])
 def test_interleaved_simulated_bubble_equals_the_formula_exactly(p, v, m):
     for f, b, w in [(ONE, ONE, 0 * ONE), (ONE, ONE, ONE), (2 * ONE, ONE, ONE)]:
-        out = simulate(interleaved_1f1b(p, v, m), p, m, v, f, b, w)
+        out = simulate_chunked(interleaved_1f1b(p, v, m), p, m, v, f, b, w)
         assert out["idle_per_compute"] == Fraction(p - 1, v * m) == Fraction(
             interleaved_bubble(p, v, m)).limit_denominator(1000)
         assert out["bubble"] == Fraction(p - 1, v * m + p - 1)
@@ -109,17 +109,17 @@ def test_interleaved_fraction_for_one_chunk_is_notebook_03s_formula():
         assert interleaved_bubble_fraction(p, 1, m) == pipeline.bubble_formula(p, m)
         assert interleaved_bubble(p, 1, m) == (p - 1) / m
         for name in ("gpipe", "1f1b"):
-            out = simulate(make_schedule(name, p, m), p, m, f=ONE, b=ONE, w=ONE)
+            out = simulate_chunked(make_schedule(name, p, m), p, m, f=ONE, b=ONE, w=ONE)
             assert out["bubble"] == Fraction(p - 1, m + p - 1)
 
 
 @pytest.mark.parametrize("p, m, v", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (3, 7, 1), (8, 16, 1),
                                      (2, 4, 2), (4, 8, 2), (4, 4, 3)])
 def test_zero_bubble_simulated_bubble_is_a_third_of_1f1bs_when_f_b_w_are_equal(p, m, v):
-    out = simulate(zero_bubble(p, m, v), p, m, v, ONE, ONE, ONE)
+    out = simulate_chunked(zero_bubble(p, m, v), p, m, v, ONE, ONE, ONE)
     assert out["idle_per_compute"] == Fraction(p - 1, 3 * v * m)
     assert zero_bubble_formula(p, m, v) == pytest.approx((p - 1) / (3 * v * m), abs=1e-15)
-    one_f_one_b = simulate(interleaved_1f1b(p, v, m) if v > 1 else
+    one_f_one_b = simulate_chunked(interleaved_1f1b(p, v, m) if v > 1 else
                            pipeline.one_f_one_b_schedule(p, m), p, m, v, ONE, ONE, ONE)
     assert out["idle_per_compute"] * 3 == one_f_one_b["idle_per_compute"]
 
@@ -127,7 +127,7 @@ def test_zero_bubble_simulated_bubble_is_a_third_of_1f1bs_when_f_b_w_are_equal(p
 def test_zero_bubble_formula_with_w_cheaper_than_f_and_b():
     for p, m, v in [(2, 4, 1), (4, 8, 1), (4, 6, 1), (5, 10, 1), (2, 4, 2), (4, 8, 2)]:
         for f, b, w in [(2, 1, 1), (1, 2, 1), (2, 2, 1), (Fraction(3, 2), 2, Fraction(1, 2))]:
-            got = simulate(zero_bubble(p, m, v), p, m, v, f * ONE, b * ONE, w * ONE)
+            got = simulate_chunked(zero_bubble(p, m, v), p, m, v, f * ONE, b * ONE, w * ONE)
             assert got["idle_per_compute"] == (Fraction(p - 1) * (f + b - w)
                                                / (v * m * (f + b + w)))
             assert zero_bubble_formula(p, m, v, f, b, w) == pytest.approx(
@@ -226,7 +226,7 @@ def test_unknown_schedule_and_chunks_where_there_are_none():
 ])
 def test_check_schedule_refuses(schedule, match):
     with pytest.raises(ValueError, match=match):
-        check_schedule(schedule, 2, 1)
+        check_chunked_schedule(schedule, 2, 1)
 
 
 def test_check_schedule_finds_a_deadlock_and_says_who_waits():
@@ -235,13 +235,13 @@ def test_check_schedule_finds_a_deadlock_and_says_who_waits():
     with pytest.raises(ValueError, match=r"deadlocks.*0: 'B0.0 needs B of virtual stage 1 for "
                                          r"micro-batch 0', 1: 'F0.1 needs F of virtual stage 0 "
                                          r"for micro-batch 1'"):
-        check_schedule(deadlock, 2, 2)
+        check_chunked_schedule(deadlock, 2, 2)
 
 
 def test_message_order_mismatch_is_named():
     swapped = pipeline.gpipe_schedule(2, 2)
     swapped[1] = [("F", 1), ("F", 0), ("B", 0), ("B", 1)]
-    check_schedule(swapped, 2, 2)  # it runs in the simulation (messages found by micro-batch)
+    check_chunked_schedule(swapped, 2, 2)  # it runs when simulated (messages found by micro-batch)
     with pytest.raises(ValueError, match=r"rank 0 sends to rank 1 in the order \[activation 0.0, "
                                          r"activation 0.1\] but rank 1 receives"):
         check_message_order(swapped, 2)
@@ -249,7 +249,7 @@ def test_message_order_mismatch_is_named():
 
 def test_simulate_refuses_negative_costs():
     with pytest.raises(ValueError, match=r"w is a time: use a number >= 0"):
-        simulate(zero_bubble(2, 2), 2, 2, w=-1)
+        simulate_chunked(zero_bubble(2, 2), 2, 2, w=-1)
 
 
 # ---- real ranks: torch.distributed.pipelining and run_schedule ----------------------------------
@@ -273,8 +273,8 @@ def schedules_on_ranks(m: int, chunks: int, runs, width: int = 16) -> dict:
     for name, v in runs:
         start = time.perf_counter()
         step = schedules.pipelined_step(name, v, m, batch, build, steps=1, warmup=0)
-        ours = (schedules.check_schedule(schedules.make_schedule(name, p, m, v), p, m, v)[rank]
-                if name != "zbv" else None)
+        ours = (schedules.check_chunked_schedule(schedules.make_schedule(name, p, m, v), p, m,
+                                                 v)[rank] if name != "zbv" else None)
         out[name, v] = {
             "grad_diff": max((g - refs[v]["grads"][k]).abs().max().item()
                              for g, k in zip(step["grads"], step["stages"], strict=True)),

@@ -133,7 +133,7 @@ def test_an_empty_traffic_reports_nothing():
 def test_step_traffic_refuses_an_unknown_wrap(group):
     from functools import partial
 
-    from labkit.parallel.memory import block_stack
+    from labkit.parallel.memory import mlp_blocks
 
     with pytest.raises(ValueError, match="wrap='zero'.*use 'ddp'.*or 'fsdp'"):
-        step_traffic(partial(block_stack, 1, 8), wrap="zero")
+        step_traffic(partial(mlp_blocks, 1, 8), wrap="zero")

@@ -11,7 +11,7 @@ from torch import nn
 
 from labkit import launch
 from labkit.parallel import zero
-from labkit.parallel.memory import block_stack
+from labkit.parallel.memory import mlp_blocks
 
 # Ship this module's functions by value, as a notebook's are.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -46,10 +46,10 @@ def zero_checks() -> dict:
     out["learner"] = zero.zero_check(1, 8, 3, 3, seed=1, step_fn=_learner_step)
     errors = {}
     try:
-        zero.ZeroOptimizer(block_stack(1, 4), stage=3)
+        zero.ZeroOptimizer(mlp_blocks(1, 4), stage=3)
     except ValueError as e:
         errors["stage"] = str(e)
-    frozen = block_stack(1, 4).requires_grad_(False)
+    frozen = mlp_blocks(1, 4).requires_grad_(False)
     try:
         zero.ZeroOptimizer(frozen, stage=1)
     except ValueError as e:
@@ -203,7 +203,7 @@ def test_model_zero_grad_does_not_leave_stale_gradients_in_zero1(group):
 
 def test_the_flat_buffer_holds_every_parameter_as_a_view():
     torch.manual_seed(0)
-    model = block_stack(2, 5)  # 450 parameters
+    model = mlp_blocks(2, 5)  # 450 parameters
     before = [p.detach().clone() for p in model.parameters()]
     flat = zero.flat_params(model, world=4)
     assert (flat.numel, flat.padded, flat.shard_numel) == (450, 452, 113)
@@ -219,7 +219,7 @@ def test_the_flat_buffer_holds_every_parameter_as_a_view():
 
 
 def test_buckets_follow_backward_order_and_pad_each():
-    model = block_stack(2, 5)
+    model = mlp_blocks(2, 5)
     flat = zero.flat_params(model, world=4, bucket_numel=225)
     assert [b.numel for b in flat.buckets] == [228, 228] and flat.padded == 456
     last_block = list(model[1].parameters())
@@ -251,20 +251,20 @@ def test_the_formulas():
 def test_errors_without_ranks():
     with pytest.raises(ValueError, match=r"^stage must be 1 \(shard the optimizer state\) or 2 "
                                          r"\(the gradients too\), got 0; stage 3 .*fully_shard"):
-        zero.ZeroOptimizer(block_stack(1, 4), stage=0)
+        zero.ZeroOptimizer(mlp_blocks(1, 4), stage=0)
     with pytest.raises(ValueError, match=r"^step_fn is ZeRO-1's step on the flat gradient; "
                                          r"ZeRO-2 reduce-scatters during backward"):
-        zero.ZeroOptimizer(block_stack(1, 4), stage=2, step_fn=zero.zero_step)
+        zero.ZeroOptimizer(mlp_blocks(1, 4), stage=2, step_fn=zero.zero_step)
     with pytest.raises(ValueError, match=r"^stage must be 1 or 2, got 3: zero_check compares"):
         zero.zero_check(3, 4, 2, 2)
     with pytest.raises(ValueError, match=r"^steps must be a whole number >= 2, got 1: the bytes "
                                          r"are measured in the last step"):
         zero.zero_check(1, 4, 2, 1)
     with pytest.raises(ValueError, match=r"^Sequential has no trainable parameters"):
-        zero.flat_params(block_stack(1, 4).requires_grad_(False), world=2)
+        zero.flat_params(mlp_blocks(1, 4).requires_grad_(False), world=2)
     with pytest.raises(ValueError, match=r"one dtype and one device"):
         zero.flat_params(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), world=2)
     with pytest.raises(ValueError, match=r"^world must be a whole number >= 1, got 0"):
-        zero.flat_params(block_stack(1, 4), world=0)
+        zero.flat_params(mlp_blocks(1, 4), world=0)
     with pytest.raises(ValueError, match=r"^bucket_numel must be a whole number >= 1"):
-        zero.flat_params(block_stack(1, 4), world=2, bucket_numel=0)
+        zero.flat_params(mlp_blocks(1, 4), world=2, bucket_numel=0)

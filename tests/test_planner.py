@@ -51,7 +51,7 @@ GPT3 = Model("gpt3", params=175e9, layers=96, hidden=12288, heads=96, seq_len=20
              micro_batch=1)
 SEVEN_B = Model("7B", params=6.7e9, layers=32, hidden=4096, heads=32, seq_len=2048,
                 micro_batch=1, flash_attention=True)
-# FSDP2 shards dim 0 of every parameter; block_stack(4, 64)'s (256 and 64 rows) split evenly
+# FSDP2 shards dim 0 of every parameter; mlp_blocks(4, 64)'s (256 and 64 rows) split evenly
 # over 2 and 4 ranks, so its bytes are exact. Uneven shards would be padded by FSDP2: the band
 # of the memory check, 1 %, allows for that padding.
 FSDP_BAND = 0.01
@@ -358,9 +358,9 @@ def test_plan_error_is_a_value_error_and_degrees_come_from_dicts():
 
 
 def test_from_module_counts_a_real_modules_parameters():
-    from labkit.parallel.memory import block_stack
+    from labkit.parallel.memory import mlp_blocks
 
-    m = Model.from_module(block_stack(4, 64), layers=4, hidden=64, heads=1, seq_len=1,
+    m = Model.from_module(mlp_blocks(4, 64), layers=4, hidden=64, heads=1, seq_len=1,
                           micro_batch=8, **FP32_ADAM)
     assert m.params == 132352 and m.name == "Sequential" and m.param_bytes == 4
 
@@ -452,21 +452,21 @@ def real_runs(width: int) -> dict:
     """On every rank: DDP's and FSDP2's bytes sent in one step, and FSDP2's bytes held."""
     from functools import partial
 
-    from labkit.parallel.memory import block_stack, fsdp_memory
+    from labkit.parallel.memory import fsdp_memory, mlp_blocks
     from labkit.parallel.traffic import step_traffic
 
-    model_fn = partial(block_stack, 4, width)
+    model_fn = partial(mlp_blocks, 4, width)
     return {"ddp": step_traffic(model_fn, wrap="ddp"), "fsdp": step_traffic(model_fn, wrap="fsdp"),
             "held": fsdp_memory(model_fn, steps=1)}
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_planner_predicts_ddp_and_fsdp2_on_real_ranks(n):
-    from labkit.parallel.memory import block_stack
+    from labkit.parallel.memory import mlp_blocks
 
     values = launch(real_runs, 64, nproc=n, backend="gloo", warm=True, show_ranks=[],
                     timeout=240).values
-    model = Model.from_module(block_stack(4, 64), name="block_stack(4, 64)", layers=4,
+    model = Model.from_module(mlp_blocks(4, 64), name="mlp_blocks(4, 64)", layers=4,
                               hidden=64, heads=1, seq_len=1, micro_batch=8, **FP32_ADAM)
     ddp = plan(model, Cluster(devices=n, memory_gib=80), Degrees(dp=n))
     fsdp = plan(model, Cluster(devices=n, memory_gib=80), Degrees(dp=n, zero=3))

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from .._dist import collective_device
 from .._sizes import divisors, multiples_near, whole
 from . import traffic
-from .memory import block_stack, held_bytes
+from .memory import held_bytes, mlp_blocks
 from .pipeline import split_stages, stage_builder
 
 __all__ = ["check_mesh", "mesh_groups", "mesh_2d", "held_bytes", "fsdp_tp_model",
@@ -222,7 +222,7 @@ def fsdp_tp_model(model, mesh):
 
     Example::
 
-        >>> model = fsdp_tp_model(block_stack(2, 16), mesh_2d(2, 2))   # inside a worker
+        >>> model = fsdp_tp_model(mlp_blocks(2, 16), mesh_2d(2, 2))   # inside a worker
         >>> model[0][0].weight.placements
         (_StridedShard(dim=0, sf=2), Shard(dim=0))
     """
@@ -390,7 +390,7 @@ def fsdp_tp_step(dp: int, tp: int, width: int = 16, depth: int = 2, batch: int =
     mesh = mesh_2d(dp, tp)
     coords, groups = _coords_and_groups(mesh)
     torch.manual_seed(seed)
-    dense = block_stack(depth, width).to(device)
+    dense = mlp_blocks(depth, width).to(device)
     x, y = _example_data(batch, width, seed, device)
     reference_loss, reference, moved = _reference_step(copy.deepcopy(dense), x, y, optimizer,
                                                        lr)
@@ -423,9 +423,9 @@ def fsdp_tp_step(dp: int, tp: int, width: int = 16, depth: int = 2, batch: int =
 
 
 def _stages_on_meta(width: int, depth: int, pp: int) -> list:
-    """The stages of ``block_stack(depth, width)`` on the meta device: shapes, no values."""
+    """The stages of ``mlp_blocks(depth, width)`` on the meta device: shapes, no values."""
     with torch.device("meta"):
-        return split_stages(block_stack(depth, width), pp)
+        return split_stages(mlp_blocks(depth, width), pp)
 
 
 def _global_name(name: str, first: int) -> str:
@@ -526,10 +526,10 @@ def dp_pp_step(dp: int, pp: int, width: int = 16, depth: int = 4, batch: int = 1
     stage_index, replica = coords["pp"], coords["dp"]
     x, y = _example_data(batch, width, seed, device)
     torch.manual_seed(seed)  # the same draws as stage_builder's: the whole model, then split
-    reference_loss, reference, moved = _reference_step(block_stack(depth, width).to(device), x,
+    reference_loss, reference, moved = _reference_step(mlp_blocks(depth, width).to(device), x,
                                                        y, optimizer, lr)
 
-    module = stage_builder(partial(block_stack, depth, width), seed)(stage_index, pp).to(device)
+    module = stage_builder(partial(mlp_blocks, depth, width), seed)(stage_index, pp).to(device)
     first = sum(len(s) for s in _stages_on_meta(width, depth, pp)[:stage_index])  # its 1st block
     # The stage learns its input's shape from the first micro-batch: a few small messages.
     stage = PipelineStage(module, stage_index, pp, device, group=mesh["pp"].get_group())

@@ -25,7 +25,7 @@ from torch import nn
 from labkit._dist import collective_device
 from labkit._sizes import whole
 
-__all__ = ["STRATEGIES", "BYTES_PER_PARAM", "estimate_memory", "block_stack", "fsdp_memory",
+__all__ = ["STRATEGIES", "BYTES_PER_PARAM", "estimate_memory", "mlp_blocks", "fsdp_memory",
            "held_bytes", "forward_blocks", "counting_saved_bytes", "saved_bytes",
            "activation_memory"]
 
@@ -99,14 +99,14 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int | None 
             **per_rank, "total": sum(per_rank.values()), "bytes_per_param": dict(bytes_per_param)}
 
 
-def block_stack(n_blocks: int = 8, width: int = 64, expansion: int = 4) -> nn.Sequential:
+def mlp_blocks(n_blocks: int = 8, width: int = 64, expansion: int = 4) -> nn.Sequential:
     """``n_blocks`` MLP blocks ``Linear(w, 4w) -> GELU -> Linear(4w, w)`` in an ``nn.Sequential``.
 
     The model the memory experiments shard and checkpoint, one block at a time.
 
     Example::
 
-        >>> sum(p.numel() for p in block_stack(2, 8).parameters())
+        >>> sum(p.numel() for p in mlp_blocks(2, 8).parameters())
         1104
     """
     return nn.Sequential(*[
@@ -187,7 +187,7 @@ def fsdp_memory(model_fn, *, steps: int = 1, mixed_precision: bool = False, batc
                 input_fn=None, seed: int = 0) -> dict:
     """Worker function: bytes each rank holds after Adam steps, FSDP2-sharded and not.
 
-    ``model_fn()`` builds the model (e.g. ``functools.partial(block_stack, 4, 256)``); every
+    ``model_fn()`` builds the model (e.g. ``functools.partial(mlp_blocks, 4, 256)``); every
     direct child with parameters gets ``fully_shard``, then the root. After ``steps`` Adam
     steps the local shards (``p.to_local()``) of parameters, gradients and Adam's
     ``exp_avg`` / ``exp_avg_sq`` are summed as numel * element_size (CPU tensors have no
@@ -206,7 +206,7 @@ def fsdp_memory(model_fn, *, steps: int = 1, mixed_precision: bool = False, batc
     Example::
 
         >>> from functools import partial
-        >>> r = labkit.launch(fsdp_memory, partial(block_stack, 4, 64), nproc=2).values[0]
+        >>> r = labkit.launch(fsdp_memory, partial(mlp_blocks, 4, 64), nproc=2).values[0]
         >>> r["n_params"], r["sharded"]["total"], r["unsharded"]["total"]   # 16 bytes each
         (132352, 1058816, 2117632)
     """
@@ -250,7 +250,7 @@ def forward_blocks(model: nn.Sequential, x, *, checkpoint: bool = False):
 
     Example::
 
-        >>> y = forward_blocks(block_stack(8, 64), torch.randn(32, 64), checkpoint=True)
+        >>> y = forward_blocks(mlp_blocks(8, 64), torch.randn(32, 64), checkpoint=True)
     """
     from torch.utils.checkpoint import checkpoint as ckpt
 
@@ -290,7 +290,7 @@ def saved_bytes(forward, x, *, exclude=()) -> int:
 
     Tensors in ``exclude`` (a model's parameters: held anyway) are left out. Example::
 
-        >>> model = block_stack(4, 64)
+        >>> model = mlp_blocks(4, 64)
         >>> saved_bytes(model, torch.randn(32, 64), exclude=model.parameters())
         294912
     """
@@ -311,15 +311,15 @@ def activation_memory(model_fn, x, *, checkpoint: bool = False, repeats: int = 3
 
     Example::
 
-        >>> plain = activation_memory(lambda: block_stack(8, 256), x)
-        >>> ckpt = activation_memory(lambda: block_stack(8, 256), x, checkpoint=True)
+        >>> plain = activation_memory(lambda: mlp_blocks(8, 256), x)
+        >>> ckpt = activation_memory(lambda: mlp_blocks(8, 256), x, checkpoint=True)
         >>> round(1 - ckpt["saved_bytes"] / plain["saved_bytes"], 2)   # block inputs only
         0.89
     """
     model = model_fn if isinstance(model_fn, nn.Module) else model_fn()
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"activation_memory checkpoints block by block: model_fn must build "
-                         f"an nn.Sequential of blocks (e.g. block_stack(8, 64)), "
+                         f"an nn.Sequential of blocks (e.g. mlp_blocks(8, 64)), "
                          f"got {type(model).__name__}")
     model = model.to(x.device)
     whole(repeats, "repeats")

@@ -16,9 +16,9 @@ Notebook 03 wrote GPipe and 1F1B as data, one list of actions per rank, and foun
 Actions are ``("F", chunk, i)``, ``("B", chunk, i)`` and ``("W", chunk, i)``; a schedule with one
 chunk per rank may also write notebook 03's ``("F", i)`` / ``("B", i)``. Plain helpers (no
 process group): :func:`interleaved_1f1b`, :func:`zero_bubble`, :func:`make_schedule`,
-:func:`check_schedule`, :func:`check_message_order`, :func:`simulate`, :func:`bubble_of`,
-:func:`peak_in_flight`, :func:`messages`, the formulas :func:`interleaved_bubble`,
-:func:`interleaved_bubble_fraction`, :func:`zero_bubble_formula`, and
+:func:`check_chunked_schedule`, :func:`check_message_order`, :func:`simulate_chunked`,
+:func:`bubble_of`, :func:`peak_in_flight`, :func:`messages`, the formulas
+:func:`interleaved_bubble`, :func:`interleaved_bubble_fraction`, :func:`zero_bubble_formula`, and
 :func:`schedule_timeline` (its widget is :func:`labkit.explorers.schedule_explorer`). Worker
 functions: :func:`run_schedule` (a schedule of actions played with point-to-point sends) and
 :func:`pipelined_step` (``torch.distributed.pipelining``'s ``Schedule1F1B``,
@@ -26,7 +26,7 @@ functions: :func:`run_schedule` (a schedule of actions played with point-to-poin
 timed action by action)::
 
     schedule = interleaved_1f1b(4, 2, 8)
-    simulate(schedule, 4, 8, chunks=2)["idle_per_compute"], interleaved_bubble(4, 2, 8)
+    simulate_chunked(schedule, 4, 8, chunks=2)["idle_per_compute"], interleaved_bubble(4, 2, 8)
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from .._dist import barrier, collective_device, sync
 from .._sizes import whole
 from . import pipeline
 
-__all__ = ["SCHEDULE_NAMES", "interleaved_1f1b", "zero_bubble", "make_schedule", "check_schedule",
-           "check_message_order", "simulate", "bubble_of", "peak_in_flight", "messages",
-           "interleaved_bubble", "interleaved_bubble_fraction", "zero_bubble_formula",
-           "schedule_timeline", "run_schedule", "pipelined_step",
+__all__ = ["SCHEDULE_NAMES", "interleaved_1f1b", "zero_bubble", "make_schedule",
+           "check_chunked_schedule", "check_message_order", "simulate_chunked", "bubble_of",
+           "peak_in_flight", "messages", "interleaved_bubble", "interleaved_bubble_fraction",
+           "zero_bubble_formula", "schedule_timeline", "run_schedule", "pipelined_step",
            "TORCH_SCHEDULES"]
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved 1f1b", "zero bubble")
@@ -262,7 +262,7 @@ def _play(actions, stages: int, chunks: int, cost) -> list[dict]:
     return events
 
 
-def check_schedule(schedule, stages: int, m: int, chunks: int = 1) -> list[list[tuple]]:
+def check_chunked_schedule(schedule, stages: int, m: int, chunks: int = 1) -> list[list[tuple]]:
     """Raise ValueError unless ``schedule`` can run: the checks of notebook 03, over chunks and W.
 
     Every rank runs ``("F", c, i)`` and ``("B", c, i)`` once for each of its chunks ``c`` and
@@ -273,7 +273,7 @@ def check_schedule(schedule, stages: int, m: int, chunks: int = 1) -> list[list[
 
     Example::
 
-        >>> check_schedule([[("F", 0, 0), ("W", 0, 0), ("B", 0, 0)]], 1, 1)
+        >>> check_chunked_schedule([[("F", 0, 0), ("W", 0, 0), ("B", 0, 0)]], 1, 1)
         Traceback (most recent call last):
         ValueError: rank 0 runs ('W', 0, 0) before ('B', 0, 0): W needs the output gradient B
         received
@@ -359,7 +359,8 @@ def bubble_of(events: list[dict]) -> dict:
         {'bubble': 0.5, 'idle_per_compute': 1.0, 'span': 2}
     """
     if not events:
-        raise ValueError("no events: pass the 'events' that simulate or pipelined_step returned")
+        raise ValueError("no events: pass the 'events' that simulate_chunked or pipelined_step "
+                         "returned")
     by_step: dict[int, list[dict]] = {}
     for e in events:
         by_step.setdefault(e.get("step", 0), []).append(e)
@@ -377,7 +378,7 @@ def bubble_of(events: list[dict]) -> dict:
     return {"bubble": bubble, "idle_per_compute": ratio, "span": span}
 
 
-def simulate(schedule, stages: int, m: int, chunks: int = 1, f=1.0, b=1.0, w=1.0) -> dict:
+def simulate_chunked(schedule, stages: int, m: int, chunks: int = 1, f=1.0, b=1.0, w=1.0) -> dict:
     """The timeline of ``schedule`` with fixed costs: every rank and chunk equal, messages free.
 
     A whole stage's forward costs ``f``, its input-gradient backward ``b`` and its weight-
@@ -389,7 +390,7 @@ def simulate(schedule, stages: int, m: int, chunks: int = 1, f=1.0, b=1.0, w=1.0
 
     Example::
 
-        >>> out = simulate(interleaved_1f1b(4, 2, 8), 4, 8, chunks=2)
+        >>> out = simulate_chunked(interleaved_1f1b(4, 2, 8), 4, 8, chunks=2)
         >>> out["idle_per_compute"], interleaved_bubble(4, 2, 8)
         (0.1875, 0.1875)
     """
@@ -397,7 +398,7 @@ def simulate(schedule, stages: int, m: int, chunks: int = 1, f=1.0, b=1.0, w=1.0
     for name, value in (("f", f), ("b", b), ("w", w)):
         if not isinstance(value, numbers.Real) or value < 0 or (name == "f" and value == 0):
             raise ValueError(f"{name} is a time: use a number >= 0 (f > 0), got {value!r}")
-    actions = check_schedule(schedule, p, m, v)
+    actions = check_chunked_schedule(schedule, p, m, v)
     split = any(kind == "W" for row in actions for kind, _, _ in row)
     costs = {"F": f / v, "B": (b if split else b + w) / v, "W": w / v}
     events = _play(actions, p, v, costs.__getitem__)
@@ -417,7 +418,7 @@ def peak_in_flight(schedule, stages: int, m: int, chunks: int = 1) -> list[float
         [4.0, 3.0, 2.0, 1.0]
     """
     p, m, v = _check_sizes(stages, m, chunks)
-    actions = check_schedule(schedule, p, m, v)
+    actions = check_chunked_schedule(schedule, p, m, v)
     split = any(kind == "W" for row in actions for kind, _, _ in row)
     last = "W" if split else "B"
     peaks = []
@@ -522,7 +523,7 @@ def schedule_timeline(name: str, stages: int, m: int, chunks: int = 1, f=1.0, b=
     """
     p, m, v = _check_sizes(stages, m, chunks)
     schedule = make_schedule(name, p, m, v)
-    out = simulate(schedule, p, m, v, f, b, w)
+    out = simulate_chunked(schedule, p, m, v, f, b, w)
     ratio = _formula(name, p, m, v, f, b, w)
     return {"name": name, "stages": p, "m": m, "chunks": v, "schedule": schedule,
             "events": out["events"], "bubble": out["bubble"],
@@ -577,7 +578,7 @@ def run_schedule(stage_module_fn, schedule, m: int, batch, chunks: int = 1, *,
     v = whole(chunks, "chunks", hint=" (model chunks per rank)")
     if p < 2:
         raise ValueError("run_schedule needs at least 2 ranks: launch it with nproc >= 2")
-    every = check_schedule(schedule, p, m, v)
+    every = check_chunked_schedule(schedule, p, m, v)
     # Blocking receives in action order: each pair of ranks must agree on the order of the
     # messages between them (NCCL matches point-to-point messages by order, not by tag).
     check_message_order(every, p, v)
@@ -673,8 +674,8 @@ def pipelined_step(schedule: str, stages_per_rank: int, m: int, batch, stage_mod
     step], "stages", "step_s" (median), "events" (every rank's timed actions, in seconds from the
     step's barrier, with "step"), "order" (this rank's actions as torch ran them, as
     ``(kind, chunk, micro)``), "measured" (:func:`bubble_of` the events), "costs" (median F, B,
-    W seconds per chunk) and "simulated" (:func:`simulate` of the same order with those costs;
-    None for zbv, whose V placement simulate does not model)}``.
+    W seconds per chunk) and "simulated" (:func:`simulate_chunked` of the same order with those
+    costs; None for zbv, whose V placement simulate_chunked does not model)}``.
 
     Example::
 
@@ -752,7 +753,7 @@ def pipelined_step(schedule: str, stages_per_rank: int, m: int, batch, stage_mod
                    for e in sorted(every_event, key=lambda e: e["start"])
                    if e["rank"] == r and e["step"] == 0] for r in range(p)]
         split = any(e["kind"] == "W" for e in every_event)
-        simulated = simulate(orders, p, m, v, f=costs["F"] * v, b=costs["B"] * v,
+        simulated = simulate_chunked(orders, p, m, v, f=costs["F"] * v, b=costs["B"] * v,
                              w=costs["W"] * v if split else 0.0)
         simulated = {k: simulated[k] for k in ("bubble", "idle_per_compute", "span")}
     return {"rank": rank, "schedule": schedule, "chunks": v, "m": m, "loss": loss.item(),

@@ -252,7 +252,7 @@ def count_traffic():
 def step_traffic(model_fn, *, wrap: str = "ddp", batch: int = 8, seed: int = 0) -> dict:
     """Worker function: the bytes this rank sends in one training step under DDP or FSDP2.
 
-    ``model_fn()`` builds the model (e.g. ``functools.partial(block_stack, 4, 64)``); ``wrap``
+    ``model_fn()`` builds the model (e.g. ``functools.partial(mlp_blocks, 4, 64)``); ``wrap``
     is ``"ddp"`` (``DistributedDataParallel``) or ``"fsdp"`` (``fully_shard`` on every child
     with parameters, then the root). One forward, backward and Adam step on a random batch
     runs inside :func:`labkit.parallel.traffic.count_traffic`. Returns ``n_params``,
@@ -262,7 +262,7 @@ def step_traffic(model_fn, *, wrap: str = "ddp", batch: int = 8, seed: int = 0) 
 
     Example::
 
-        >>> r = labkit.launch(step_traffic, partial(block_stack, 4, 64), nproc=2).values[0]
+        >>> r = labkit.launch(step_traffic, partial(mlp_blocks, 4, 64), nproc=2).values[0]
         >>> r["counts"], r["sent_bytes"]
         ({'all_reduce': 1}, 529408)
     """

@@ -37,7 +37,7 @@ from labkit._dist import all_gather_into, collective_device, reduce_scatter_into
 from labkit._sizes import multiples_near, whole
 
 from . import traffic
-from .memory import block_stack, estimate_memory, fsdp_memory
+from .memory import estimate_memory, fsdp_memory, mlp_blocks
 
 __all__ = ["FlatParams", "flat_params", "adam_update", "storage_bytes", "zero_step",
            "ZeroOptimizer", "dp_held", "zero_formulas", "zero_check", "zero3_traffic",
@@ -76,7 +76,7 @@ class FlatParams:
 
     Example::
 
-        >>> flat = flat_params(block_stack(2, 8), world=4)
+        >>> flat = flat_params(mlp_blocks(2, 8), world=4)
         >>> flat.numel, flat.padded, flat.shard_numel        # 1104 parameters, 276 per rank
         (1104, 1104, 276)
     """
@@ -136,7 +136,7 @@ def flat_params(model, world: int, bucket_numel: int | None = None) -> FlatParam
 
     See :class:`FlatParams`. Example::
 
-        >>> flat = flat_params(block_stack(1, 5), world=4)   # 225 parameters
+        >>> flat = flat_params(mlp_blocks(1, 5), world=4)   # 225 parameters
         >>> flat.padded, flat.shard_numel
         (228, 57)
     """
@@ -221,7 +221,7 @@ class ZeroOptimizer:
     Use it as a torch optimizer: ``opt.zero_grad()``, ``loss.backward()``, ``opt.step()``.
     Example (inside a worker)::
 
-        >>> model = block_stack(4, 64).to(collective_device())
+        >>> model = mlp_blocks(4, 64).to(collective_device())
         >>> opt = ZeroOptimizer(model, stage=2, lr=1e-3, bucket_numel=33_000)
         >>> model(x).square().mean().backward(); opt.step()
         >>> opt.held()                                       # bytes this rank holds, by kind
@@ -378,7 +378,7 @@ def zero_check(stage: int, width: int, depth: int, steps: int, seed: int = 0, *,
                step_fn=None) -> dict:
     """Worker function: ZeRO-``stage`` (1 or 2) against plain data parallelism, step for step.
 
-    Both train ``block_stack(depth, width)`` from the same seed, each rank on its own batches
+    Both train ``mlp_blocks(depth, width)`` from the same seed, each rank on its own batches
     (MSE loss, Adam, ``steps`` >= 2). Plain DP: every rank all-reduces each gradient, divides
     by ``n`` and runs ``torch.optim.Adam`` on everything; ZeRO: :class:`ZeroOptimizer` (Adam by
     hand on the shard). ZeRO-2's buckets are one block each unless ``bucket_numel`` says;
@@ -409,7 +409,7 @@ def zero_check(stage: int, width: int, depth: int, steps: int, seed: int = 0, *,
 
     def build():
         torch.manual_seed(seed)
-        return block_stack(depth, width).to(device)
+        return mlp_blocks(depth, width).to(device)
 
     dp_model, zero_model = build(), build()
     dp_opt = torch.optim.Adam(dp_model.parameters(), lr=lr)
@@ -473,7 +473,7 @@ def zero_check(stage: int, width: int, depth: int, steps: int, seed: int = 0, *,
 def zero3_traffic(width: int, depth: int, seed: int = 0, *, batch: int = 8) -> dict:
     """Worker function: FSDP2's (ZeRO-3's) bytes on the wire per step, and the bytes it holds.
 
-    ``block_stack(depth, width)`` with ``fully_shard`` on each block, then on the root; one
+    ``mlp_blocks(depth, width)`` with ``fully_shard`` on each block, then on the root; one
     Adam step to warm up, then one counted with ``traffic.count_traffic``: the all-gathers of
     forward, the all-gathers again in backward (each block was resharded after its forward)
     and the reduce-scatter of the gradients, ``3 (n-1)/n * 4 Psi`` in all, 1.5 times data
@@ -498,7 +498,7 @@ def zero3_traffic(width: int, depth: int, seed: int = 0, *, batch: int = 8) -> d
                          f"padding and the traffic formula is exact")
     device = collective_device()
     torch.manual_seed(seed)
-    model = block_stack(depth, width).to(device)
+    model = mlp_blocks(depth, width).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     mesh = init_device_mesh(device.type, (world,))
     # The blocks hold every parameter; the root (the nn.Sequential) holds none. That matters:
@@ -518,7 +518,7 @@ def zero3_traffic(width: int, depth: int, seed: int = 0, *, batch: int = 8) -> d
             opt.step()
     s = 4 * n_params
     dp_wire = 2 * (world - 1) * s // world
-    held = fsdp_memory(functools.partial(block_stack, depth, width), steps=1, seed=seed)
+    held = fsdp_memory(functools.partial(mlp_blocks, depth, width), steps=1, seed=seed)
     return {"rank": rank, "world_size": world, "n_params": n_params, "wire": t.sent_bytes(),
             "wire_by_op": t.by_op(), "calls": t.counts(),
             "formula": 3 * (world - 1) * s // world, "dp_wire_formula": dp_wire,

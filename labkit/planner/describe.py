@@ -148,7 +148,7 @@ class Model:
 
         Example::
 
-            >>> Model.from_module(block_stack(4, 64), layers=4, hidden=64, heads=1, seq_len=1,
+            >>> Model.from_module(mlp_blocks(4, 64), layers=4, hidden=64, heads=1, seq_len=1,
             ...                   micro_batch=8, **FP32_ADAM).params
             132352
         """

@@ -278,7 +278,7 @@ def predicted_vs_measured(p: Plan, measured: Mapping) -> list[dict]:
     ``activations``, ``buffers``) per device, or dimensions (``dp``, ``tp``, ``pp``, ``cp``,
     ``ep``) for the bytes one device sent in one step.
 
-    Example (DDP of ``block_stack(4, 64)`` in fp32 on 2 ranks: ``step_traffic`` measured 529408)::
+    Example (DDP of ``mlp_blocks(4, 64)`` in fp32 on 2 ranks: ``step_traffic`` measured 529408)::
 
         >>> two = Cluster(devices=2, memory_gib=80)
         >>> predicted_vs_measured(plan(small, two, Degrees(dp=2)), {"dp": 529408})

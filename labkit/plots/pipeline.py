@@ -113,7 +113,7 @@ _SCHEDULE_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 def schedule_timeline_plot(events: list[dict], title: str | None = None, step: int = 0, ax=None):
     """Gantt chart of one pipeline step with chunks and split backwards: one row per rank.
 
-    Draws the events of ``schedules.simulate`` / ``schedule_timeline`` / ``pipelined_step``
+    Draws the events of ``schedules.simulate_chunked`` / ``schedule_timeline`` / ``pipelined_step``
     (``rank, kind, chunk, micro, start, end``, optional ``step``): F blue, B orange (the full
     backward, or its input half), W green (the weight half); a rank's later chunks in paler
     shades; each block labelled ``chunk.micro`` when there are several chunks, else ``micro``.
@@ -130,12 +130,12 @@ def schedule_timeline_plot(events: list[dict], title: str | None = None, step: i
     from matplotlib.patches import Patch
 
     if not events:
-        raise ValueError("no events to plot: pass the 'events' of schedules.simulate, "
+        raise ValueError("no events to plot: pass the 'events' of schedules.simulate_chunked, "
                          "schedule_timeline or pipelined_step")
     missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
     if missing:
-        raise ValueError(f"events lack {sorted(missing)}: pass the events schedules.simulate or "
-                         f"pipelined_step returned")
+        raise ValueError(f"events lack {sorted(missing)}: pass the events "
+                         f"schedules.simulate_chunked or pipelined_step returned")
     shown = [e for e in events if e.get("step", 0) == step]
     if not shown:
         steps = sorted({e.get("step", 0) for e in events})

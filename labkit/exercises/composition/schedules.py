@@ -1,8 +1,9 @@
 """Notebook 10's schedule exercise: Megatron's interleaved 1F1B order, written as data.
 
 The learner writes ``my_interleaved(stages, chunks, m)``: one list per rank of ``("F", chunk, i)``
-/ ``("B", chunk, i)`` actions. The grader checks it can run (:func:`labkit.parallel.schedules.
-check_schedule`), compares it with :func:`labkit.parallel.schedules.interleaved_1f1b` for several
+/ ``("B", chunk, i)`` actions. The grader checks it can run
+(:func:`labkit.parallel.schedules.check_chunked_schedule`), compares it with
+:func:`labkit.parallel.schedules.interleaved_1f1b` for several
 ``(p, v, m)``, simulates its bubble against ``(p - 1) / (v m)``, asks for a clear error when
 ``m`` is not a multiple of ``p``, and plays it on 2 real gloo ranks
 (:func:`labkit.check.on_ranks`, :func:`labkit.parallel.schedules.run_schedule`), where its
@@ -120,7 +121,7 @@ def interleaved_schedule(fn) -> str:
     """Exercise: ``fn(stages, chunks, m)``, one list of ("F"/"B", chunk, i) per rank, is
     Megatron's interleaved 1F1B.
 
-    Checked with ``schedules.check_schedule`` and against ``schedules.interleaved_1f1b`` for
+    Checked with ``schedules.check_chunked_schedule`` and against ``schedules.interleaved_1f1b`` for
     several (p, v, m), its simulated bubble against (p - 1) / (v m), ``m`` not a multiple of
     ``p`` refused with a ValueError, then played on 2 gloo ranks by ``schedules.run_schedule``.
 
@@ -137,7 +138,7 @@ def interleaved_schedule(fn) -> str:
         got = _as_schedule(fn, p, v, m)
         want = schedules.interleaved_1f1b(p, v, m)
         try:
-            schedules.check_schedule(got, p, m, v)
+            schedules.check_chunked_schedule(got, p, m, v)
         except ValueError as err:
             named = next((e for r in range(p) if (e := _mistake(r, p, v, m, got[r], want[r]))),
                          None)
@@ -149,7 +150,8 @@ def interleaved_schedule(fn) -> str:
             mistake = _mistake(rank, p, v, m, got[rank], want[rank])
             if mistake is not None:
                 raise mistake
-        ideal = schedules.simulate(got, p, m, v, f=Fraction(1), b=Fraction(1), w=Fraction(0))
+        ideal = schedules.simulate_chunked(got, p, m, v, f=Fraction(1), b=Fraction(1),
+                                           w=Fraction(0))
         if ideal["idle_per_compute"] != Fraction(p - 1, v * m):  # same order: cannot differ
             raise NotYet(f"(p={p}, v={v}, m={m}): simulated bubble {ideal['idle_per_compute']}",
                          "restart the kernel and run the notebook from the top")

@@ -14,7 +14,7 @@ NOTEBOOK = "10"
 __all__ = ["zero2_step"]
 
 _STEPS, _LR, _TOL = 3, 1e-2, 1e-5
-_WIDTH, _DEPTH = 4, 2  # block_stack(2, 4): 296 parameters, a multiple of 2 and of 4
+_WIDTH, _DEPTH = 4, 2  # mlp_blocks(2, 4): 296 parameters, a multiple of 2 and of 4
 
 
 def _which(t, shards, world=None):
@@ -31,7 +31,7 @@ def _which(t, shards, world=None):
 def _zero2_probe(fn, steps: int = _STEPS, seed: int = 0) -> dict:
     """Grading worker: ``fn`` for ``steps`` steps beside data parallelism; what it did, per step.
 
-    Every rank trains ``block_stack(2, 4)`` on its own batches. Before each call the full
+    Every rank trains ``mlp_blocks(2, 4)`` on its own batches. Before each call the full
     average gradient is computed apart (an all-reduce outside the count), so that the shards
     ``update_shard`` receives can be recognised: whose shard, averaged or summed.
     """
@@ -39,13 +39,13 @@ def _zero2_probe(fn, steps: int = _STEPS, seed: int = 0) -> dict:
     import torch.distributed as dist
 
     from ...parallel import traffic, zero
-    from ...parallel.memory import block_stack
+    from ...parallel.memory import mlp_blocks
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)
-    model = block_stack(_DEPTH, _WIDTH)
+    model = mlp_blocks(_DEPTH, _WIDTH)
     torch.manual_seed(seed)
-    ref = block_stack(_DEPTH, _WIDTH)
+    ref = mlp_blocks(_DEPTH, _WIDTH)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=_LR)
     flat = zero.flat_params(model, world)
     n = flat.shard_numel
