@@ -10,7 +10,8 @@ Plain helpers (no process group): :func:`split_stages`, :func:`micro_batches`, t
 lists of actions, :func:`bubble_formula`, :func:`simulate`, :func:`measured_bubble` and the
 single-process :func:`reference_step`. Worker functions, run inside
 ``labkit.launch(..., nproc=stages)`` where rank ``r`` is stage ``r``: :func:`run_pipeline`
-(the schedule executed with point-to-point sends, each stage's actions by :func:`run_stage`),
+(the schedule executed with point-to-point sends, each stage's actions by :func:`run_stage`,
+timed by a :class:`StageMeter` around them),
 :func:`bubble_sweep`, and
 :func:`pipelining_step` (the same step with ``torch.distributed.pipelining``)::
 
@@ -22,6 +23,7 @@ single-process :func:`reference_step`. Worker functions, run inside
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -37,7 +39,8 @@ from .memory import counting_saved_bytes
 __all__ = ["mlp_stack", "example_batch", "split_stages", "stage_builder", "micro_batches",
            "naive_schedule", "gpipe_schedule", "one_f_one_b_schedule", "SCHEDULES",
            "check_schedule", "bubble_formula", "simulate", "measured_bubble", "bubble_breakdown",
-           "reference_step", "run_stage", "run_pipeline", "bubble_sweep", "pipelining_step"]
+           "reference_step", "run_stage", "StageMeter", "run_pipeline", "bubble_sweep",
+           "pipelining_step"]
 
 
 # ---- the model and its stages -------------------------------------------------------------------
@@ -527,79 +530,117 @@ def _input_meta(module, first_input, rank: int, stages: int, device):
     return shape, dtype
 
 
-def run_stage(module, actions, xs, ys, meta, loss_fn, device, t0,
-              held=()) -> tuple[list, list, dict]:
+def _unmeasured(kind: str, i: int):
+    return contextlib.nullcontext()
+
+
+def run_stage(module, actions, xs, ys, meta, loss_fn, device, measure=_unmeasured) -> list:
     """Inside a worker: this stage's ``actions`` for one step (:func:`run_pipeline`'s inner loop).
 
     ``("F", i)`` takes micro-batch i's activations from the stage before (stage 0 reads
     ``xs[i]``), runs the forward and sends its output on; the last stage computes the loss on
     ``ys[i]``, divided by m. ``("B", i)`` takes the gradient of that output from the stage
     after, runs the backward (accumulating into ``.grad``) and sends its input's gradient
-    back. ``meta`` is the (shape, dtype) of this stage's input, ``t0`` the step's start.
-
-    Returns its events, (last stage) its losses, and the activations it held: ``{"live",
-    "bytes", "micro"}``, the peak number of micro-batches alive (forward done, backward owed),
-    the peak bytes they kept for backward, and the bytes of one micro-batch. ``held`` (the
-    parameters, the batch) is held anyway and not counted.
+    back. ``meta`` is the (shape, dtype) of this stage's input. ``measure(kind, i)`` is a
+    context manager wrapped around each action's compute (:class:`StageMeter`'s, in
+    :func:`run_pipeline`): the loop itself is only the schedule. Returns (last stage) the
+    losses.
 
     Example::
 
-        >>> events, losses, peak = run_stage(module, [("F", 0), ("B", 0)], xs, ys, meta,
-        ...                                  F.cross_entropy, device, time.perf_counter())
+        >>> meter = StageMeter(device)
+        >>> losses = run_stage(module, [("F", 0), ("B", 0)], xs, ys, meta, F.cross_entropy,
+        ...                    device, meter.measure)
+        >>> meter.events, meter.peak
     """
     rank, stages, m = dist.get_rank(), dist.get_world_size(), len(xs)
     first, last = rank == 0, rank == stages - 1
-    inputs, outputs, losses, events = {}, {}, [], []
+    # This stage's tensors per micro-batch, kept from its F until its B: the input (whose
+    # .grad the B sends back) and the output (whose backward the B runs).
+    inputs, outputs, losses = {}, {}, []
     sends = []  # (work, tensor): a tensor must live until its isend has completed
-    alive: dict[int, int] = {}  # micro-batch -> bytes its forward saved, until its backward runs
-    peak = {"live": 0, "bytes": 0, "micro": 0}
     for kind, i in actions:
         if kind == "F":
             if first:
                 x = xs[i]
             else:
                 # Blocking recv: the time spent waiting here shows as a gap, i.e. as bubble.
+                # No micro-batch number travels with it: the n-th message is micro-batch n.
                 x = torch.empty(meta[0], dtype=meta[1], device=device)
                 dist.recv(x, src=rank - 1)
                 x.requires_grad_()  # we must send d(loss)/dx back to the stage before
-            sync(device)
-            start = time.perf_counter()
-            with counting_saved_bytes(exclude=held) as saved:  # what autograd keeps for B i
+            with measure("F", i):
                 out = module(x)
                 if last:
                     # Each micro-batch loss divided by m: the m backwards add up, in .grad, to
                     # the gradient of the whole batch's mean loss.
                     losses.append(loss_fn(out, ys[i]) / m)
-            alive[i] = saved["bytes"]
-            peak.update(live=max(peak["live"], len(alive)),
-                        bytes=max(peak["bytes"], sum(alive.values())),
-                        micro=max(peak["micro"], saved["bytes"]))
             if last:
                 outputs[i] = losses[-1]
             else:
                 # isend, not send: a blocking send could wait for a stage that is itself
                 # blocked sending to us (1F1B sends both ways), and the two would deadlock.
+                # detach: the next stage gets values; the graph to here stays on this rank.
                 activation = out.detach()
                 sends.append((dist.isend(activation, dst=rank + 1), activation))
                 outputs[i] = out
             inputs[i] = x
         else:
             grad = None
-            if not last:
+            if not last:  # the last stage's output is the loss: its backward needs no gradient
                 grad = torch.empty_like(outputs[i])
                 dist.recv(grad, src=rank + 1)
-            sync(device)
-            start = time.perf_counter()
-            outputs[i].backward(grad)  # accumulates into the parameters' .grad
+            with measure("B", i):
+                outputs[i].backward(grad)  # accumulates into the parameters' .grad
             if not first:
                 sends.append((dist.isend(inputs[i].grad, dst=rank - 1), inputs[i].grad))
-            del inputs[i], outputs[i], alive[i]  # this micro-batch's activations are freed now
-        sync(device)
-        events.append({"rank": rank, "kind": kind, "micro": i, "start": start - t0,
-                       "end": time.perf_counter() - t0})
+            del inputs[i], outputs[i]  # this micro-batch's activations are freed now
     for work, _ in sends:
         work.wait()
-    return events, losses, peak
+    return losses
+
+
+class StageMeter:
+    """What :func:`run_pipeline` measures around :func:`run_stage`'s actions, kept apart from the
+    schedule: each action's compute time, and the activations the stage holds for backward.
+
+    ``measure(kind, i)`` syncs the device and starts the clock after the action's receive
+    (waiting is idle, not compute); an F counts the bytes autograd saves for its B (``held``,
+    the weights and the batch, held anyway, left out) and a B frees them. ``events`` are
+    ``{"rank", "kind", "micro", "start", "end"}`` in seconds from :meth:`start_step`; ``peak``
+    is ``{"live", "bytes", "micro"}``: the most micro-batches alive at once (forward done,
+    backward owed), the most bytes they kept, and the bytes of one micro-batch.
+    """
+
+    def __init__(self, device, held=()):
+        self.device, self.held = device, held
+        self.rank = dist.get_rank()
+        self.events: list[dict] = []
+        self.alive: dict[int, int] = {}  # micro-batch -> bytes its F saved, until its B runs
+        self.peak = {"live": 0, "bytes": 0, "micro": 0}
+        self.t0 = time.perf_counter()
+
+    def start_step(self) -> None:
+        """A new step: its events count from now (call it right after the step's barrier)."""
+        self.events, self.t0 = [], time.perf_counter()
+
+    @contextlib.contextmanager
+    def measure(self, kind: str, i: int):
+        sync(self.device)  # work queued before (a receive's copy) is not this action's
+        start = time.perf_counter()
+        if kind == "F":
+            with counting_saved_bytes(exclude=self.held) as saved:
+                yield
+            self.alive[i] = saved["bytes"]
+            self.peak.update(live=max(self.peak["live"], len(self.alive)),
+                             bytes=max(self.peak["bytes"], sum(self.alive.values())),
+                             micro=max(self.peak["micro"], saved["bytes"]))
+        else:
+            yield
+            self.alive.pop(i, None)
+        sync(self.device)
+        self.events.append({"rank": self.rank, "kind": kind, "micro": i,
+                            "start": start - self.t0, "end": time.perf_counter() - self.t0})
 
 
 def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, steps: int = 1,
@@ -651,17 +692,16 @@ def run_pipeline(stage_module_fn, schedule="gpipe", m: int = 4, batch=None, *, s
     meta = _input_meta(module, xs[0], rank, stages, device)
     # Held for the whole step whatever the schedule, so not counted as activations: the
     # weights, and the batch (stage 0's micro-batches are views of it).
-    held = [*module.parameters(), x, y]
-    events, losses, peak = [], [], {"live": 0, "bytes": 0, "micro": 0}
+    meter = StageMeter(device, held=[*module.parameters(), x, y])
+    events, losses = [], []
     for step in range(warmup + steps):
         module.zero_grad(set_to_none=True)
         barrier(device)
-        t0 = time.perf_counter()
-        step_events, losses, held_now = run_stage(module, actions, xs, ys, meta, loss_fn,
-                                                  device, t0, held)
-        peak = {k: max(peak[k], held_now[k]) for k in peak}
+        meter.start_step()
+        losses = run_stage(module, actions, xs, ys, meta, loss_fn, device, meter.measure)
         if step >= warmup:
-            events += [{**e, "step": step - warmup} for e in step_events]
+            events += [{**e, "step": step - warmup} for e in meter.events]
+    peak = meter.peak
     # The loss lives on the last stage; send it to every rank so any rank's result is complete.
     loss = torch.tensor([float(sum(loss.item() for loss in losses))], dtype=torch.float64,
                         device=device)
