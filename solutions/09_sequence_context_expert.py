@@ -60,3 +60,26 @@ def my_dispatch(expert_index, n_experts, world_size):
     order = torch.argsort(expert_index, stable=True)
     send_counts = torch.bincount(expert_index // per_rank, minlength=world_size).tolist()
     return order, send_counts
+
+# %% all_to_all_function
+class MyAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_counts):
+        world = dist.get_world_size()
+        # Every rank must learn how many rows each other rank sends it: one small all-to-all.
+        recv = torch.empty(world, dtype=torch.int64)
+        dist.all_to_all_single(recv, torch.tensor(send_counts, dtype=torch.int64))
+        recv_counts = recv.tolist()
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=list(send_counts))
+        ctx.send_counts, ctx.recv_counts = list(send_counts), recv_counts
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Rows only moved: each gradient row goes back to the rank its row came from.
+        back = grad.new_empty((sum(ctx.send_counts), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send_counts,
+                               input_split_sizes=ctx.recv_counts)
+        return back, None

@@ -180,3 +180,191 @@ def expert_dispatch(fn) -> str:
             f"all_to_all_single and the layer equals the single-process MoE (outputs and "
             f"gradients within {_TOL:g}, the same {dropped[0]} and {dropped[1]} rows over "
             f"capacity dropped)")
+
+
+# ==== challenge: the all-to-all as an autograd Function =======================================
+# Graded on 2 and 4 ranks by the rows that arrive, the gradients that go home, and the route:
+# forward one all-to-all of the counts and one of the rows, backward one of the gradient rows.
+
+__all__ += ["all_to_all_function"]  # noqa: PLE0605
+
+_A2A_HIDDEN = 3
+_A2A_ROUTE = ("forward: one all-to-all of the counts (dist.all_to_all_single of an int64 tensor "
+              "of world entries: entry r, the rows for rank r), then one of the rows, "
+              "dist.all_to_all_single(out, x, output_split_sizes=recv_counts, "
+              "input_split_sizes=send_counts); backward: one all-to-all of the gradient rows, "
+              "with the two split sizes swapped (saved in ctx), and nothing else")
+
+
+def _a2a_counts(world: int, case: str) -> list[list[int]]:
+    """``counts[s][d]``: rows rank s sends to rank d."""
+    if case == "uneven":
+        return [[(s + 2 * d) % 3 for d in range(world)] for s in range(world)]
+    # rank 0 has no rows at all, and the last rank receives none
+    return [[0 if s == 0 or d == world - 1 else s + d for d in range(world)]
+            for s in range(world)]
+
+
+_A2A_CASES = (("uneven", "float32"), ("rank 0 sends nothing, the last rank gets nothing",
+                                      "float64"))
+
+
+def _a2a_rows(rank: int, n: int, dtype):
+    """Rank ``rank``'s ``n`` rows, each one tagged: rank * 100 + row, + 0, 0.25, 0.5 by column."""
+    import torch
+
+    base = rank * 100 + torch.arange(n, dtype=torch.float64)[:, None]
+    return (base + torch.tensor([0.0, 0.25, 0.5])).to(dtype)
+
+
+def _all_to_all_worker(fn) -> list[dict]:
+    """Each rank, each case: ``fn.apply(x, send_counts)``, a backward, and what each sent."""
+    import torch
+    import torch.distributed as dist
+
+    from ...parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for case, dtype in _A2A_CASES:
+        counts = _a2a_counts(world, case)
+        dt = getattr(torch, dtype)
+        x = _a2a_rows(rank, sum(counts[rank]), dt).requires_grad_()
+        with traffic.count_traffic() as fwd:
+            y = fn.apply(x, list(counts[rank]))
+        want = torch.cat([_a2a_rows(s, sum(counts[s]), dt)[sum(counts[s][:rank]):
+                                                           sum(counts[s][:rank + 1])]
+                          for s in range(world)])
+        result = {"case": case, "dtype": dtype, "counts": counts,
+                  "forward": [(c.op, c.payload_bytes, c.sent_bytes) for c in fwd.calls],
+                  "y": y.detach().clone() if isinstance(y, torch.Tensor) else None,
+                  "y_type": type(y).__name__, "want": want, "x": x.detach().clone()}
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            coef = 0.5 * y.detach() + 1  # d loss / d row = 0.5 * row + 1: each row's own tag
+            with traffic.count_traffic() as bwd:
+                (y * coef).sum().backward()
+            result["backward"] = [(c.op, c.payload_bytes, c.sent_bytes) for c in bwd.calls]
+            result["grad"] = None if x.grad is None else x.grad.clone()
+        out.append(result)
+    return out
+
+
+def _a2a_where(rows) -> str:
+    """Which rank and row each of ``rows`` came from (by its tag), for the first few."""
+    said = []
+    for row in rows[:4]:
+        tag = int(round(float(row[0])))
+        said.append(f"rank {tag // 100} row {tag % 100}")
+    return ", ".join(said) + (", ..." if len(rows) > 4 else "")
+
+
+def _a2a_forward(world: int, rank: int, got: dict) -> None:
+    import torch
+
+    where = f"on {world} ranks (rank {rank}), {got['dtype']}, {got['case']}"
+    y, want, counts = got["y"], got["want"], got["counts"]
+    if y is None:
+        raise NotYet(f"{where}: forward returned {got['y_type']}, not a tensor",
+                     "forward returns the rows that arrived: one tensor of (sum of the "
+                     "received counts, hidden)")
+    if y.dtype != want.dtype:
+        raise NotYet(f"{where}: forward returned {y.dtype} rows for {want.dtype} input",
+                     "allocate the output with x.new_empty(...) so that it keeps x's dtype")
+    received = [counts[s][rank] for s in range(world)]
+    if tuple(y.shape) != tuple(want.shape):
+        hint = ("receive sum(recv_counts) rows, where recv_counts[s] is what rank s sends to "
+                "you: learn it from the counts all-to-all (it is not your own send_counts)")
+        raise NotYet(f"{where}: forward returned shape {tuple(y.shape)}, want {tuple(want.shape)}"
+                     f" (rows from each rank: {received})", hint)
+    if not torch.equal(y, want):
+        raise NotYet(f"{where}: the rows arrived as {_a2a_where(y)}; want "
+                     f"{_a2a_where(want)}", "send_counts[r] consecutive rows of x go to "
+                     "rank r, in order; the rows that arrive are grouped by source rank, rank 0's "
+                     "first (output_split_sizes=recv_counts)")
+
+
+def _a2a_route(world: int, rank: int, got: dict) -> None:
+    """Raise NotYet unless forward made two all-to-alls (counts, rows) and backward one (rows),
+    each sending the other ranks exactly their rows."""
+    where = f"on {world} ranks (rank {rank}), {got['dtype']}, {got['case']}"
+    counts, row_bytes = got["counts"], _A2A_HIDDEN * got["x"].element_size()
+    for phase, calls, want, rows_out in (
+            ("forward", got["forward"], 2, sum(counts[rank]) - counts[rank][rank]),
+            ("backward", got["backward"], 1, sum(c[rank] for c in counts) - counts[rank][rank])):
+        others = sorted({op for op, _, _ in calls if op != "all_to_all"})
+        if others:
+            raise NotYet(f"{where}: the {phase} called {', '.join(others)}",
+                         "an all-to-all sends each rank only the rows meant for it"
+                         + (" (gathering sends every row to every rank)"
+                            if "all_gather" in others else "") + "; " + _A2A_ROUTE)
+        if len(calls) != want:
+            hint = _A2A_ROUTE
+            if phase == "backward" and len(calls) > want:
+                hint = ("backward already knows both split sizes: save them in ctx in forward, "
+                        "do not exchange the counts again; " + _A2A_ROUTE)
+            raise NotYet(f"{where}: the {phase} made {len(calls)} all-to-alls (payloads "
+                         f"{[b for _, b, _ in calls]} bytes); want {want}", hint)
+        sent = calls[-1][2]  # the rows go last: the receiver needs the counts first
+        if sent != rows_out * row_bytes:
+            raise NotYet(f"{where}: the {phase}'s all-to-all of rows sent {sent} bytes to the "
+                         f"other ranks; the rows meant for them are {rows_out * row_bytes} bytes",
+                         _A2A_ROUTE)
+
+
+def _a2a_backward(world: int, rank: int, got: dict) -> None:
+    import torch
+
+    where = f"on {world} ranks (rank {rank}), {got['dtype']}, {got['case']}"
+    grad, x = got.get("grad"), got["x"]
+    if "backward" not in got:
+        raise NotYet(f"{where}: the output does not require grad: no backward to run",
+                     "call it as MyAllToAll.apply(x, send_counts), and return a tensor computed "
+                     "in forward (autograd connects it)")
+    if grad is None:
+        raise NotYet(f"{where}: x.grad is None after backward",
+                     "backward returns (gradient of x, None): one value per input of forward")
+    want = 0.5 * x + 1  # every row went somewhere; its gradient is its own tag, sent home
+    if tuple(grad.shape) != tuple(x.shape) or not torch.allclose(grad, want):
+        came = ((grad - 1) / 0.5) if grad.shape == x.shape else None
+        hint = ("backward sends each gradient row home: the reverse exchange, an all-to-all "
+                "with input_split_sizes=recv_counts and output_split_sizes=send_counts")
+        detail = f"{where}: x.grad is not the gradient of the rows x sent"
+        if came is not None and len(came):
+            detail += f" (its rows are those of {_a2a_where(came)})"
+        raise NotYet(detail, hint)
+
+
+@exercise("all_to_all_function", notebook=NOTEBOOK,
+          title="challenge: the all-to-all of expert parallelism, as an autograd Function")
+def all_to_all_function(fn, worlds=(2, 4)) -> str:
+    """Challenge: ``fn.apply(x, send_counts)`` exchanges rows; its backward sends gradients home.
+
+    ``fn`` is a ``torch.autograd.Function``. Run on real gloo ranks (``worlds``) with tagged
+    rows: uneven counts in float32; then float64 with rank 0 holding no rows and the last rank
+    receiving none. The rows that arrive, grouped by source rank, and ``x.grad`` after a
+    backward are compared exactly with their tags; the route too: forward at most two
+    all-to-alls (the counts, then the rows), backward one, each sending only the other ranks'
+    rows.
+
+    Example::
+
+        >>> exercise.all_to_all_function(MyAllToAll)
+        [pass] challenge: the all-to-all of expert parallelism, as an autograd Function: ...
+    """
+    import torch
+
+    if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+        raise NotYet(f"got {type(fn).__name__}, not a torch.autograd.Function class",
+                     "define `class MyAllToAll(torch.autograd.Function)` with static methods "
+                     "forward(ctx, x, send_counts) and backward(ctx, grad), and pass the class")
+    for world in worlds:
+        ranks = on_ranks(_all_to_all_worker, fn, nproc=world, timeout=60.0)
+        for rank, per_case in enumerate(ranks):
+            for got in per_case:
+                _a2a_forward(world, rank, got)
+                _a2a_backward(world, rank, got)
+                _a2a_route(world, rank, got)
+    return (f"on {' and '.join(map(str, worlds))} ranks, float32 and float64, uneven counts, a "
+            f"rank with no rows and one receiving none: the rows arrive grouped by source rank, "
+            f"x.grad is each row's gradient sent home; forward one all-to-all of counts and one "
+            f"of rows, backward one, each sending only the other ranks' rows")
