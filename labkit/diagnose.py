@@ -60,6 +60,7 @@ __all__ = [
     "nan_on_rank",
     "training_fingerprints",
     "early_stopping",
+    "loss_over_ranks",
 ]
 
 # What a learner sets (through ``labkit.launch(..., env=DEBUG_ENV)``) to make the process group
@@ -945,10 +946,8 @@ def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) 
                 dist.all_reduce(p.grad)                     # the gradients summed over ranks,
                 p -= 0.1 * p.grad / dist.get_world_size()   # averaged, and one step down
             val = F.mse_loss(model(val_x), val_y)           # this rank's shard only
-        if fixed:  # the loss over every rank's shard: the same number everywhere
-            total = torch.stack([val * len(val_x), torch.tensor(float(len(val_x)))])
-            dist.all_reduce(total)
-            val = total[0] / total[1]
+        if fixed:  # the fix, shown after notebook 05's exercise on it
+            val = loss_over_ranks(val, len(val_x))
         history.append(round(val.item(), 5))
         worse = 0 if val.item() < best else worse + 1
         best = min(best, val.item())
@@ -957,3 +956,22 @@ def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) 
             print(f"stopping early: no improvement for {worse} epochs", flush=True)
             break
     return {"epochs": len(history), "val": history}
+
+
+def loss_over_ranks(loss, samples: int):
+    """The mean loss over every rank's samples, the same number on every rank.
+
+    ``loss`` is this rank's mean over its ``samples``; one all-reduce sums every rank's loss sum
+    and sample count (the mean of the ranks' means would weigh unequal shards alike). The fix
+    of :func:`early_stopping`: a decision taken on this value is the same on every rank.
+
+    Example::
+
+        >>> val = loss_over_ranks(F.mse_loss(model(val_x), val_y), len(val_x))
+    """
+    import torch
+    import torch.distributed as dist
+
+    total = torch.stack([loss * samples, torch.tensor(float(samples))])
+    dist.all_reduce(total)
+    return total[0] / total[1]
