@@ -19,7 +19,9 @@ Notebook 09: :mod:`~labkit.parallel.transformer` (the block every section splits
 
 Notebook 10: :mod:`~labkit.parallel.compose` (FSDP2 x TP and DP x PP on a 2-D mesh),
 :mod:`~labkit.parallel.schedules` (interleaved 1F1B, zero bubble), :mod:`~labkit.parallel.zero`
-(ZeRO-1 and ZeRO-2 from reduce-scatter and all-gather).
+(ZeRO-1 and ZeRO-2 from reduce-scatter and all-gather), :mod:`~labkit.parallel.dryrun` (a model's
+real layers built on ``meta`` and sharded FSDP2 x TP over a fake process group of up to 65,536
+ranks in one process: the bytes each rank holds, read from its DTensor shards).
 
 Shared: :mod:`~labkit.parallel.traffic` counts what each rank sends, call by call, so that every
 byte count in these notebooks is measured, then compared with its formula.
