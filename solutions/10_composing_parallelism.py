@@ -60,3 +60,31 @@ def my_degrees(model, cluster):
         except PlanError:  # pp not dividing the layers, cp not dividing the sequence, ...
             continue
     raise ValueError(f"no layout fits {model.name} on {cluster}")
+
+# %% zero3_linear
+def gather_layer(shard, in_features, out_features):
+    """The layer's full weight and bias from every rank's shard: one all-gather."""
+    full = shard.new_empty(shard.numel() * dist.get_world_size())
+    dist.all_gather_into_tensor(full, shard.detach())
+    n = in_features * out_features
+    return full[:n].view(out_features, in_features), full[n:n + out_features]
+
+
+class MyZero3Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, in_features, out_features):
+        weight, bias = gather_layer(shard, in_features, out_features)
+        ctx.save_for_backward(x, shard)  # not the full parameters: they are freed on return
+        ctx.features = (in_features, out_features)
+        return x @ weight.T + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, shard = ctx.saved_tensors
+        world = dist.get_world_size()
+        weight, _ = gather_layer(shard, *ctx.features)  # gathered again, freed again
+        flat = torch.cat([(grad_out.T @ x).reshape(-1), grad_out.sum(0)])
+        flat = torch.cat([flat, flat.new_zeros(shard.numel() * world - flat.numel())])  # padding
+        grad_shard = torch.empty_like(shard)
+        dist.reduce_scatter_tensor(grad_shard, flat)  # the sum over the ranks of my slice only
+        return grad_out @ weight, grad_shard / world, None, None

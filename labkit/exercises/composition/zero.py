@@ -241,3 +241,240 @@ def zero2_step(fn) -> str:
             f"updating only its shard; one reduce-scatter and one all-gather a step, "
             f"{sent[2]:,} and {sent[4]:,} bytes sent per rank (the same as one all-reduce of "
             f"the {numel} parameters)")
+
+
+# ==== challenge: ZeRO-3's gather-and-free, one layer as an autograd Function ==================
+# Graded on 2 and 4 ranks: the shards' gradients and the weights after two SGD steps against
+# one process on the global batch; the route per layer (an all-gather before its forward, another
+# before its backward, a reduce-scatter after it); and what the graph keeps between the two
+# passes (the shard and the input, never the full parameters).
+
+__all__ += ["zero3_linear"]  # noqa: PLE0605
+
+_Z3_LAYERS = ((5, 4), (4, 3), (3, 2), (2, 1))  # (in, out): 24, 15, 8, 3 parameters
+_Z3_BATCH, _Z3_STEPS, _Z3_LR = 5, 2, 0.1  # batch per rank: no layer has 5 outputs (shapes apart)
+_Z3_TOL = {"float32": 1e-5, "float64": 1e-12}
+_Z3_ROUTE = ("per layer: forward, one all-gather of the shards into the full flat parameters "
+             "(dist.all_gather_into_tensor), the layer computed, the full parameters dropped; "
+             "backward, one all-gather again, the gradients of x, W and b, then one "
+             "reduce-scatter (dist.reduce_scatter_tensor) of the full flat gradient into the "
+             "shard's, divided by the world size")
+
+
+def _z3_padded(n: int, world: int) -> int:
+    return -(-n // world) * world
+
+
+def _z3_saved_full(node, in_f: int, out_f: int, world: int) -> str | None:
+    """What of the full parameters the graph node ``node`` keeps for backward, if anything."""
+    import torch
+
+    kept = list(getattr(node, "saved_tensors", ()) or ())
+    kept += [v for v in vars(node).values() if isinstance(v, torch.Tensor)] if hasattr(
+        node, "__dict__") else []
+    for t in kept:
+        if tuple(t.shape) in ((out_f, in_f), (in_f, out_f)):
+            return f"a tensor of shape {tuple(t.shape)} (the weight)"
+        if t.dim() == 1 and t.numel() >= _z3_padded(out_f * in_f + out_f, world):
+            return f"a flat tensor of {t.numel()} elements (the full parameters)"
+    return None
+
+
+def _zero3_worker(fn, dtypes) -> list[dict]:
+    """Each rank, each dtype: ``_Z3_STEPS`` SGD steps of 4 sharded layers through ``fn``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ...parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype in dtypes:
+        dt = getattr(torch, dtype)
+        torch.manual_seed(0)
+        ref = [nn.Linear(i, o).to(dt) for i, o in _Z3_LAYERS]
+
+        def flat_of(layer, world=world):
+            flat = torch.cat([layer.weight.detach().reshape(-1), layer.bias.detach()])
+            return torch.cat([flat, flat.new_zeros(_z3_padded(flat.numel(), world) - len(flat))])
+
+        shards = []
+        for layer in ref:
+            flat = flat_of(layer)
+            s = flat.numel() // world
+            shards.append(flat[rank * s:(rank + 1) * s].clone().requires_grad_())
+        steps = []
+        for step in range(_Z3_STEPS):
+            g = torch.Generator().manual_seed(100 + step)
+            x_all = torch.randn(world * _Z3_BATCH, _Z3_LAYERS[0][0], generator=g).to(dt)
+            t_all = torch.randn(world * _Z3_BATCH, 1, generator=g).to(dt)
+            mine = slice(rank * _Z3_BATCH, (rank + 1) * _Z3_BATCH)
+            h, nodes = x_all[mine], []
+            with traffic.count_traffic() as fwd:
+                for k, ((i, o), shard) in enumerate(zip(_Z3_LAYERS, shards, strict=True)):
+                    h = fn.apply(h, shard, i, o)
+                    if not isinstance(h, torch.Tensor):
+                        break
+                    nodes.append(h.grad_fn)
+                    if k < len(_Z3_LAYERS) - 1:
+                        h = torch.tanh(h)
+            record = {"forward": [(c.op, c.payload_bytes) for c in fwd.calls],
+                      "returned": type(h).__name__}
+            if not isinstance(h, torch.Tensor) or h.grad_fn is None:
+                steps.append(record)
+                break
+            record["kept"] = [_z3_saved_full(n, i, o, world) if n is not None else None
+                              for n, (i, o) in zip(nodes, _Z3_LAYERS, strict=True)]
+            loss = nn.functional.mse_loss(h, t_all[mine])
+            with traffic.count_traffic() as bwd:
+                loss.backward()
+            record["backward"] = [(c.op, c.payload_bytes) for c in bwd.calls]
+            # the reference: one process, the global batch, the same step
+            hr = x_all
+            for k, layer in enumerate(ref):
+                hr = layer(hr)
+                if k < len(ref) - 1:
+                    hr = torch.tanh(hr)
+            nn.functional.mse_loss(hr, t_all).backward()
+            want = []
+            for layer in ref:
+                flat = torch.cat([layer.weight.grad.reshape(-1), layer.bias.grad])
+                flat = torch.cat([flat, flat.new_zeros(_z3_padded(len(flat), world) - len(flat))])
+                s = flat.numel() // world
+                want.append(flat[rank * s:(rank + 1) * s].clone())
+            record["grads"] = [None if s.grad is None else s.grad.detach().clone()
+                               for s in shards]
+            record["want"] = want
+            steps.append(record)
+            with torch.no_grad():
+                for shard, layer in zip(shards, ref, strict=True):
+                    if shard.grad is not None:
+                        shard -= _Z3_LR * shard.grad
+                    shard.grad = None
+                    for p in layer.parameters():
+                        p -= _Z3_LR * p.grad
+                        p.grad = None
+        finals = []
+        for layer in ref:
+            flat = flat_of(layer)
+            s = flat.numel() // world
+            finals.append(flat[rank * s:(rank + 1) * s])
+        out.append({"dtype": dtype, "steps": steps,
+                    "shards": [s.detach().clone() for s in shards], "finals": finals})
+    return out
+
+
+def _z3_route(where: str, rec: dict, esize: int, world: int) -> None:
+    padded = [_z3_padded(i * o + o, world) * esize for i, o in _Z3_LAYERS]
+    fwd, bwd = rec["forward"], rec["backward"]
+    want_fwd = [("all_gather", b) for b in padded]
+    want_bwd = [c for b in reversed(padded) for c in (("all_gather", b), ("reduce_scatter", b))]
+    for phase, got, want in (("forward", fwd, want_fwd), ("backward", bwd, want_bwd)):
+        if got == want:
+            continue
+        ops = [op for op, _ in got]
+        if phase == "backward" and "all_reduce" in ops:
+            raise NotYet(f"{where}: the backward all-reduced the gradients "
+                         f"({ops.count('all_reduce')} calls)",
+                         "an all-reduce hands every rank the whole averaged gradient and sends "
+                         "twice a reduce-scatter's bytes; a rank needs only its shard: "
+                         "reduce-scatter the full flat gradient (dist.reduce_scatter_tensor), "
+                         "then divide by the world size")
+        if phase == "backward" and ops.count("all_gather") == 0 and ops:
+            raise NotYet(f"{where}: the backward gathered no parameters",
+                         "if the full parameters are dropped after forward (they must be), "
+                         "backward needs them again: one all-gather per layer in backward")
+        if phase == "forward" and len(got) > len(want):
+            raise NotYet(f"{where}: the forward made {len(got)} calls "
+                         f"({', '.join(sorted(set(ops)))}); one all-gather per layer is all it "
+                         f"needs", _Z3_ROUTE)
+        raise NotYet(f"{where}: the {phase} called {ops} with payloads "
+                     f"{[b for _, b in got]} bytes; want {[op for op, _ in want]} with "
+                     f"{[b for _, b in want]} (each layer's padded flat parameters)", _Z3_ROUTE)
+
+
+@exercise("zero3_linear", notebook=NOTEBOOK,
+          title="challenge: ZeRO-3's gather and free, one layer as an autograd Function")
+def zero3_linear(fn, worlds=(2, 4), dtypes=("float32", "float64")) -> str:
+    """Challenge: ``fn.apply(x, shard, in_features, out_features)`` is a Linear layer of which
+    this rank holds only ``shard``: ZeRO-3's gather-and-free for one layer.
+
+    The layer's parameters, ``torch.cat([weight.reshape(-1), bias])`` zero-padded to a multiple
+    of the world size, are cut into equal shards; rank r holds shard r. Run on real gloo ranks
+    (``worlds``) through 4 such layers (24, 15, 8 and 3 parameters: padding, and on 4 ranks a
+    rank whose shard is all padding), two SGD steps on the shards: the shards' gradients and
+    final values equal one process's on the global batch; per layer the forward makes one
+    all-gather, the backward one all-gather and one reduce-scatter; the graph keeps no full
+    parameters between the two passes.
+
+    Example::
+
+        >>> exercise.zero3_linear(MyZero3Linear)
+        [pass] challenge: ZeRO-3's gather and free, one layer as an autograd Function: ...
+    """
+    import torch
+
+    if not (isinstance(fn, type) and issubclass(fn, torch.autograd.Function)):
+        raise NotYet(f"got {type(fn).__name__}, not a torch.autograd.Function class",
+                     "define `class MyZero3Linear(torch.autograd.Function)` with static methods "
+                     "forward(ctx, x, shard, in_features, out_features) and backward(ctx, "
+                     "grad_out), and pass the class")
+    for world in worlds:
+        ranks = on_ranks(_zero3_worker, fn, dtypes, nproc=world, timeout=60.0)
+        for rank, per_dtype in enumerate(ranks):
+            for got in per_dtype:
+                dtype, tol = got["dtype"], _Z3_TOL[got["dtype"]]
+                esize = got["shards"][0].element_size()
+                for step, rec in enumerate(got["steps"], start=1):
+                    where = f"on {world} ranks (rank {rank}), {dtype}, step {step}"
+                    if "kept" not in rec:
+                        raise NotYet(f"{where}: forward returned {rec['returned']} with no "
+                                     f"graph", "forward returns x @ W.T + b, a tensor; call it "
+                                     "as MyZero3Linear.apply(x, shard, in_features, "
+                                     "out_features) so that autograd records it")
+                    kept = [(k, what) for k, what in enumerate(rec["kept"], start=1) if what]
+                    if kept:
+                        k, what = kept[0]
+                        raise NotYet(f"{where}: layer {k} keeps {what} from forward to backward",
+                                     "free the full parameters after forward: save only the "
+                                     "input and the shard (ctx.save_for_backward(x, shard)) and "
+                                     "gather them again in backward; keeping them is ZeRO-2's "
+                                     "memory, not ZeRO-3's")
+                    _z3_values(where, rec, world, tol)
+                    _z3_route(where, rec, esize, world)
+                gap = max(float((s.double() - f.double()).abs().max()) if s.numel() else 0.0
+                          for s, f in zip(got["shards"], got["finals"], strict=True))
+                if gap > tol:
+                    raise NotYet(f"on {world} ranks (rank {rank}), {dtype}: after {_Z3_STEPS} "
+                                 f"steps the shards differ from one process's weights by "
+                                 f"{gap:.2g}", "the gradients were right: leave the update to "
+                                 "the loop, and do not change the shard in forward or backward")
+    return (f"on {' and '.join(map(str, worlds))} ranks, {' and '.join(dtypes)}, 4 layers "
+            f"(padded shards, one all padding): shard gradients and weights after {_Z3_STEPS} "
+            f"steps equal one process's; per layer one all-gather forward, one all-gather and "
+            f"one reduce-scatter backward, no full parameters kept between the passes")
+
+
+def _z3_values(where: str, rec: dict, world: int, tol: float) -> None:
+    for k, (got, want) in enumerate(zip(rec["grads"], rec["want"], strict=True), start=1):
+        if got is None:
+            raise NotYet(f"{where}: layer {k}'s shard has no gradient after backward",
+                         "backward returns (gradient of x, gradient of the shard, None, None): "
+                         "the shard's is this rank's slice of the reduce-scattered flat "
+                         "gradient, divided by the world size")
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise NotYet(f"{where}: layer {k}'s shard gradient is {got.dtype} of shape "
+                         f"{tuple(got.shape)}; the shard is {want.dtype} of shape "
+                         f"{tuple(want.shape)}", "the shard's gradient has the shard's shape "
+                         "and dtype: the reduce-scatter's output, shard.new_empty(shard.shape)")
+        gap = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+        if gap <= tol:
+            continue
+        if float((got.double() - world * want.double()).abs().max()) <= tol * world:
+            raise NotYet(f"{where}: layer {k}'s shard gradient is {world}x the global batch's",
+                         "reduce-scatter sums over the ranks: divide by the world size")
+        raise NotYet(f"{where}: layer {k}'s shard gradient differs from the global batch's by "
+                     f"{gap:.2g}", "the flat gradient is torch.cat([grad_W.reshape(-1), grad_b])"
+                     " zero-padded like the parameters, grad_W = grad_out.T @ x, grad_b = "
+                     "grad_out.sum(0); rank r keeps slice r of its reduce-scatter")
