@@ -131,6 +131,61 @@ def test_ring_reduce_scatter_wrong_contribution_added_twice():
     assert verdict.hint.startswith("a contribution was added twice")
 
 
+def _rs_batched(chunks, rank, world):
+    """Valid, written another way: batch_isend_irecv, the received chunk added with add_."""
+    for s in range(world - 1):
+        into = chunks[(rank - s - 1) % world]
+        buf = torch.zeros_like(into)
+        ops = [dist.P2POp(dist.irecv, buf, (rank - 1) % world),  # the receive listed first
+               dist.P2POp(dist.isend, chunks[(rank - s) % world], (rank + 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        into.add_(buf)
+
+
+def test_ring_reduce_scatter_written_another_way_passes():
+    assert exercise.ring_reduce_scatter(_rs_batched)
+
+
+def _rs_by_all_reduce(chunks, rank, world):
+    for chunk in chunks:  # every chunk summed everywhere: right values, not the ring
+        dist.all_reduce(chunk)
+
+
+def test_ring_reduce_scatter_wrong_route_a_collective():
+    verdict = exercise.ring_reduce_scatter(_rs_by_all_reduce, worlds=(2,))
+    assert not verdict and "right values, but through all_reduce" in verdict.detail
+    assert "point-to-point messages" in verdict.hint
+
+
+def _rs_one_step_too_many(chunks, rank, world):
+    """The ring's n - 1 steps, then one more that sends and discards: right values."""
+    _rs_batched(chunks, rank, world)
+    _swap(chunks[rank], (rank + 1) % world, torch.empty_like(chunks[(rank - 1) % world]),
+          (rank - 1) % world)
+
+
+def test_ring_reduce_scatter_wrong_one_step_too_many():
+    verdict = exercise.ring_reduce_scatter(_rs_one_step_too_many)
+    assert not verdict and "2 messages sent and 2 received; the ring on 2 ranks takes 1 " \
+        "steps" in verdict.detail
+    assert verdict.hint.startswith("one step too many: the ring takes n - 1 steps")
+
+
+def _rs_float32_buffer(chunks, rank, world):
+    for s in range(world - 1):
+        into = chunks[(rank - s - 1) % world]
+        buf = torch.empty(into.shape)  # float32 whatever the chunk's dtype
+        _swap(chunks[(rank - s) % world], (rank + 1) % world, buf, (rank - 1) % world)
+        into += buf
+
+
+def test_ring_reduce_scatter_wrong_buffer_dtype_is_named():
+    verdict = exercise.ring_reduce_scatter(_rs_float32_buffer, worlds=(2,))
+    assert not verdict and "buffer of another size or dtype" in verdict.hint
+    assert "torch.empty_like(chunk)" in verdict.hint
+
+
 # ---- ring_all_gather ----------------------------------------------------------------------------
 
 def test_ring_all_gather_reference_passes(solved):
@@ -175,6 +230,63 @@ def _ag_out_of_place(chunks, rank, world):
 def test_ring_all_gather_wrong_new_tensor_not_in_place():
     verdict = exercise.ring_all_gather(_ag_out_of_place, worlds=(2,))
     assert not verdict and verdict.hint.startswith("work in place")
+
+
+def _ag_one_step_too_many(chunks, rank, world):
+    """n steps instead of n - 1: the last one copies a finished chunk again, values right."""
+    for s in range(world):
+        _swap(chunks[(rank + 1 - s) % world], (rank + 1) % world, chunks[(rank - s) % world],
+              (rank - 1) % world)
+
+
+def test_ring_all_gather_wrong_one_step_too_many_has_right_values():
+    verdict = exercise.ring_all_gather(_ag_one_step_too_many)
+    assert not verdict and "on 2 ranks" in verdict.detail
+    assert "2 messages sent and 2 received; the ring on 2 ranks takes 1 steps" in verdict.detail
+    assert verdict.hint.startswith("one step too many")
+
+
+def _ag_direct(chunks, rank, world):
+    """Each rank sends its finished chunk straight to every other rank: right values, no ring."""
+    mine = (rank + 1) % world
+    works = []
+    for k in range(1, world):
+        works.append(dist.isend(chunks[mine], (rank + k) % world))
+        works.append(dist.irecv(chunks[(rank - k + 1) % world], (rank - k) % world))
+    for work in works:
+        work.wait()
+
+
+def test_ring_all_gather_wrong_route_messages_to_every_rank():
+    assert exercise.ring_all_gather(_ag_direct, worlds=(2,))  # on 2 ranks it is the ring
+    verdict = exercise.ring_all_gather(_ag_direct)
+    assert not verdict and "on 4 ranks" in verdict.detail
+    assert "sent to ranks [1, 2, 3]" in verdict.detail and "a ring sends only to rank 1" \
+        in verdict.detail
+    assert verdict.hint.startswith("right values, but not the ring")
+
+
+def _ag_by_broadcast(chunks, rank, world):
+    for j, chunk in enumerate(chunks):  # chunk j is finished on rank j - 1
+        dist.broadcast(chunk, (j - 1) % world)
+
+
+def test_ring_all_gather_wrong_route_a_collective():
+    verdict = exercise.ring_all_gather(_ag_by_broadcast, worlds=(4,))
+    assert not verdict and "right values, but through broadcast" in verdict.detail
+
+
+def _ag_via_buffer(chunks, rank, world):
+    """Valid, written another way: receive into a buffer, copy_ it into place."""
+    for s in range(world - 1):
+        into = chunks[(rank - s) % world]
+        buf = torch.empty_like(into)
+        _swap(chunks[(rank + 1 - s) % world], (rank + 1) % world, buf, (rank - 1) % world)
+        into.copy_(buf)
+
+
+def test_ring_all_gather_written_another_way_passes():
+    assert exercise.ring_all_gather(_ag_via_buffer)
 
 
 # ---- topk_error_feedback ------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 The two ring halves run on real gloo ranks (2, then 4: on 2 ranks ``r + s`` and ``r - s`` are
 the same chunk, so some index mistakes only show on more). Their inputs are *tagged*: rank r's
 entry at position i is ``(i + 1) * 8**r``, so a finished sum's base-8 digits say how many times
-each rank's entry went into it, and a wrong answer is diagnosed, not just refused.
+each rank's entry went into it, and a wrong answer is diagnosed, not just refused. Their route is
+judged too (:mod:`labkit.parallel.traffic`): each rank sends n - 1 messages, one a step, to rank
+r + 1, step s carrying the chunk the algorithm names; a right result reached by another route
+(one step too many, a collective, messages to other ranks) is not the ring.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ _AG_INDEX = ("at step s rank r sends chunk (r + 1 - s) mod n (the one it finishe
 _DEADLOCK = ("deadlock: both ranks used blocking send first (dist.send waits for its receiver, "
              "which is itself sending): start both, dist.isend(...) and dist.irecv(...), then "
              "wait() on both (a send's wait() before the receive is posted deadlocks as well)")
+_STEPS = ("the ring takes n - 1 steps: at each one every rank sends one chunk to rank r + 1 and "
+          "receives one from rank r - 1 (for s in range(world - 1))")
 _IN_PLACE = ("work in place (`chunk += buf`, or receive straight into the chunk): the chunks are "
              "views into the tensor being all-reduced; `chunks[j] = chunks[j] + buf` makes a new "
              "tensor and leaves that one unchanged")
@@ -35,51 +40,65 @@ def _chunks_of(x, world: int):
     return list(x.view(-1).tensor_split(world))
 
 
-def _reduce_scatter_worker(fn, numels) -> list[dict]:
-    """Each rank: ``fn(chunks, rank, world)`` on a tagged tensor of each size; x, chunks after."""
+def _cases(world: int) -> list[tuple[int, str]]:
+    """(numel, dtype): chunks of 0 or 1 entries, unequal chunks, equal ones in float64."""
+    return [(1, "float32"), (2 * world + 1, "float32"), (4 * world, "float64")]
+
+
+def _run_counted(fn, chunks, rank: int, world: int, x) -> dict:
+    """``fn(chunks, rank, world)`` with what this rank sent counted; x, chunks and calls after."""
+    from ..parallel.traffic import count_traffic
+
+    with count_traffic() as sent:
+        fn(chunks, rank, world)
+    return {"x": x.clone(), "chunks": [c.clone() for c in chunks],
+            "calls": [(c.op, c.payload_bytes, c.peer) for c in sent.calls]}
+
+
+def _reduce_scatter_worker(fn, cases) -> list[dict]:
+    """Each rank: ``fn(chunks, rank, world)`` on a tagged tensor of each case; x, chunks after."""
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
-    for numel in numels:
-        x = torch.arange(1, numel + 1, dtype=torch.float32) * BASE ** rank
-        chunks = _chunks_of(x, world)
-        fn(chunks, rank, world)
-        out.append({"x": x.clone(), "chunks": [c.clone() for c in chunks]})
+    for numel, dtype in cases:
+        x = torch.arange(1, numel + 1, dtype=getattr(torch, dtype)) * BASE ** rank
+        out.append(_run_counted(fn, _chunks_of(x, world), rank, world, x))
     return out
 
 
-def _all_gather_worker(fn, numels) -> list[dict]:
+def _all_gather_worker(fn, cases) -> list[dict]:
     """On each rank: only chunk (rank + 1) % world finished (position + 1), the rest stale."""
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
-    for numel in numels:
-        x = torch.full((numel,), STALE * (rank + 1))
+    for numel, dtype in cases:
+        x = torch.full((numel,), STALE * (rank + 1), dtype=getattr(torch, dtype))
         chunks = _chunks_of(x, world)
         own = (rank + 1) % world
         start = sum(c.numel() for c in chunks[:own])
         chunks[own].copy_(torch.arange(start + 1, start + 1 + chunks[own].numel()))
-        fn(chunks, rank, world)
-        out.append({"x": x.clone(), "chunks": [c.clone() for c in chunks]})
+        out.append(_run_counted(fn, chunks, rank, world, x))
     return out
 
 
-def _on_ranks(worker, fn, world: int, numels, index_hint: str) -> list:
+def _on_ranks(worker, fn, world: int, cases, index_hint: str) -> list:
     """``on_ranks`` on ``world`` ranks, a hang or a size mismatch named for what it is here."""
     try:
-        return on_ranks(worker, fn, numels, nproc=world, timeout=TIMEOUT)
+        return on_ranks(worker, fn, cases, nproc=world, timeout=TIMEOUT)
     except NotYet as wrong:
         hint = wrong.hint
         if wrong.stuck:  # a hang
             hint = _DEADLOCK
-        elif "size doesn't match" in wrong.detail or "SIGABRT" in wrong.detail:
+        elif any(sign in wrong.detail for sign in ("size doesn't match", "SIGABRT",
+                                                   "Connection reset", "native code")):
             # What gloo does when a message is larger than its receive buffer: abort the rank.
-            hint = ("a chunk arrived into a buffer of another size (gloo aborted): the chunk "
-                    "rank r + 1 receives into at a step must be the one rank r sends; "
+            hint = ("a chunk arrived into a buffer of another size or dtype (gloo aborted): "
+                    "the chunk rank r + 1 receives into at a step must be the one rank r sends, "
+                    "and a buffer takes the chunk's dtype (torch.empty_like(chunk)); "
                     + index_hint)
         raise NotYet(f"on {world} ranks: {wrong.detail}", hint) from None
 
@@ -107,12 +126,60 @@ def _starts(chunks) -> list[int]:
     return starts
 
 
+def _route_mistake(where: str, rank: int, world: int, got: dict, first: int,
+                   index_hint: str) -> None:
+    """Raise NotYet unless ``rank`` sent the ring's messages: step s, chunk (first - s) mod n.
+
+    Each rank sends n - 1 messages, all to rank r + 1, and receives n - 1, all from rank r - 1;
+    the s-th carries exactly that chunk's bytes. Right values by another route are not the ring.
+    """
+    chunks, calls = got["chunks"], got["calls"]
+    others = sorted({op for op, _, _ in calls if op not in ("send", "recv")})
+    if others:
+        raise NotYet(f"{where}: right values, but through {', '.join(others)}",
+                     "the point is to build it from point-to-point messages: dist.isend and "
+                     "dist.irecv between ring neighbours, no collective; " + _STEPS)
+    sends = [(size, peer) for op, size, peer in calls if op == "send"]
+    recvs = [(size, peer) for op, size, peer in calls if op == "recv"]
+    steps = world - 1
+    if len(sends) > steps or len(recvs) > steps:
+        raise NotYet(f"{where}: {len(sends)} messages sent and {len(recvs)} received; the ring "
+                     f"on {world} ranks takes {steps} steps, one message each way a step",
+                     "one step too many: " + _STEPS)
+    if len(sends) < steps or len(recvs) < steps:
+        raise NotYet(f"{where}: {len(sends)} messages sent and {len(recvs)} received, fewer than "
+                     f"the ring's {steps} steps", _STEPS)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    if any(peer != right for _, peer in sends) or any(peer != left for _, peer in recvs):
+        raise NotYet(f"{where}: sent to ranks {[p for _, p in sends]} and received from "
+                     f"{[p for _, p in recvs]}; a ring sends only to rank {right} (r + 1) and "
+                     f"receives only from rank {left} (r - 1)",
+                     "right values, but not the ring: every rank talks to its two neighbours "
+                     "only, so each link carries 1/n of the data per step; " + _STEPS)
+    want = [chunks[(first - s) % world].numel() * chunks[0].element_size()
+            for s in range(steps)]
+    got_sizes = [size for size, _ in sends]
+    if got_sizes != want:
+        step = next(s for s in range(steps) if got_sizes[s] != want[s])
+        raise NotYet(f"{where}: step {step} sent {got_sizes[step]} bytes; chunk "
+                     f"{(first - step) % world} is {want[step]} bytes (messages "
+                     f"{got_sizes}, the ring's {want})", index_hint)
+
+
+def _judge_routes(results, cases, world: int, offset: int, index_hint: str) -> None:
+    """Every rank's route in every case: at step s, chunk (rank + offset - s) mod n sent."""
+    for rank, per_rank in enumerate(results):
+        for (numel, _), got in zip(cases, per_rank, strict=True):
+            where = f"on {world} ranks (numel {numel}, {got['x'].dtype}), rank {rank}"
+            _route_mistake(where, rank, world, got, rank + offset, index_hint)
+
+
 def _diagnose_reduce_scatter(rank: int, world: int, numel: int, got: dict) -> None:
     """Raise NotYet if ``rank``'s chunk (rank + 1) % world is not the full sum, saying why."""
     import torch
 
     chunks, n, mine = got["chunks"], world, (rank + 1) % world
-    where = f"on {world} ranks (numel {numel}), rank {rank}"
+    where = f"on {world} ranks (numel {numel}, {got['x'].dtype}), rank {rank}"
     if not torch.equal(torch.cat(chunks), got["x"]):
         raise NotYet(f"{where}: the chunks no longer view the tensor", _IN_PLACE)
     starts = _starts(chunks)
@@ -142,7 +209,9 @@ def ring_reduce_scatter(fn, worlds=WORLDS) -> str:
     """Exercise: ``fn(chunks, rank, world)`` leaves chunk (rank + 1) % world summed over all ranks.
 
     Run on real gloo ranks (``worlds``: 2, then 4) with tensors of 1, 2n + 1 and 4n entries
-    (empty chunks, chunks of unequal sizes, equal ones); compared exactly with the sum.
+    (empty chunks, chunks of unequal sizes, equal ones in float64); compared exactly with the
+    sum, and the route with the ring's: n - 1 messages to rank r + 1, chunk (r - s) mod n at
+    step s.
 
     Example::
 
@@ -150,23 +219,27 @@ def ring_reduce_scatter(fn, worlds=WORLDS) -> str:
         [pass] ring reduce-scatter from isend/irecv: on 2 and 4 ranks, ...
     """
     for world in worlds:
-        numels = (1, 2 * world + 1, 4 * world)  # chunks of 0 or 1 entries, unequal, equal
-        results = _on_ranks(_reduce_scatter_worker, fn, world, numels, _RS_INDEX)
+        cases = _cases(world)
+        results = _on_ranks(_reduce_scatter_worker, fn, world, cases, _RS_INDEX)
         for rank, per_rank in enumerate(results):
-            for numel, got in zip(numels, per_rank, strict=True):
+            for (numel, _), got in zip(cases, per_rank, strict=True):
                 _diagnose_reduce_scatter(rank, world, numel, got)
-    return (f"on {' and '.join(map(str, worlds))} ranks, chunk (r + 1) mod n of every rank r "
-            f"holds every rank's contribution exactly once, in place")
+        # the values first (they say more about a mistake), then the route that reached them
+        _judge_routes(results, cases, world, 0, _RS_INDEX)
+    return (f"on {' and '.join(map(str, worlds))} ranks (float32 and float64, empty and uneven "
+            f"chunks), chunk (r + 1) mod n of every rank r holds every rank's contribution "
+            f"exactly once, in place, after n - 1 ring steps of one chunk each")
 
 
 def _diagnose_all_gather(rank: int, world: int, numel: int, got: dict) -> None:
     """Raise NotYet unless every chunk on ``rank`` holds the finished values (position + 1)."""
     import torch
 
-    chunks, where = got["chunks"], f"on {world} ranks (numel {numel}), rank {rank}"
+    chunks = got["chunks"]
+    where = f"on {world} ranks (numel {numel}, {got['x'].dtype}), rank {rank}"
     if not torch.equal(torch.cat(chunks), got["x"]):
         raise NotYet(f"{where}: the chunks no longer view the tensor", _IN_PLACE)
-    done = torch.arange(1, numel + 1, dtype=torch.float32).tensor_split(world)
+    done = torch.arange(1, numel + 1, dtype=got["x"].dtype).tensor_split(world)
     stale = {STALE * (r + 1) for r in range(world)}
     for j, (chunk, want) in enumerate(zip(chunks, done, strict=True)):
         if torch.equal(chunk, want):
@@ -186,7 +259,8 @@ def ring_all_gather(fn, worlds=WORLDS) -> str:
     """Exercise: ``fn(chunks, rank, world)`` spreads each rank's finished chunk to every rank.
 
     On entry rank r holds chunk (r + 1) % world finished (what the reduce-scatter leaves) and
-    stale partial sums elsewhere; afterwards every chunk of every rank must be the finished one.
+    stale partial sums elsewhere; afterwards every chunk of every rank must be the finished one,
+    reached by the ring's route: n - 1 messages to rank r + 1, chunk (r + 1 - s) mod n at step s.
 
     Example::
 
@@ -194,13 +268,15 @@ def ring_all_gather(fn, worlds=WORLDS) -> str:
         [pass] ring all-gather from isend/irecv: on 2 and 4 ranks, every rank ends with ...
     """
     for world in worlds:
-        numels = (1, 2 * world + 1, 4 * world)  # chunks of 0 or 1 entries, unequal, equal
-        results = _on_ranks(_all_gather_worker, fn, world, numels, _AG_INDEX)
+        cases = _cases(world)
+        results = _on_ranks(_all_gather_worker, fn, world, cases, _AG_INDEX)
         for rank, per_rank in enumerate(results):
-            for numel, got in zip(numels, per_rank, strict=True):
+            for (numel, _), got in zip(cases, per_rank, strict=True):
                 _diagnose_all_gather(rank, world, numel, got)
-    return (f"on {' and '.join(map(str, worlds))} ranks, every rank ends with every finished "
-            f"chunk, copied in place")
+        _judge_routes(results, cases, world, 1, _AG_INDEX)
+    return (f"on {' and '.join(map(str, worlds))} ranks (float32 and float64, empty and uneven "
+            f"chunks), every rank ends with every finished chunk, copied in place, after n - 1 "
+            f"ring steps of one chunk each")
 
 
 _LOST = ("residual not carried: the dropped mass is lost. Add the residual first (full = grad + "
