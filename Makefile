@@ -18,12 +18,19 @@ STAMP := $(VENV)/.labkit-installed-$(HASH)
 # oversubscribed threads make every timing meaningless.
 SINGLE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
+# Parallel pytest workers (pytest-xdist) for the unit tests and the notebooks. Most of a launch
+# test or a notebook cell is spent waiting on worker processes, so a 2-core machine keeps
+# more than two busy; --dist loadfile keeps a file's tests (a notebook's cells, one kernel) on one
+# worker, in order. JOBS=0 runs everything in this one process.
+JOBS    ?= 3
+NB_JOBS ?= 2
+TIMES   := .pytest_cache/labkit-times
 
 .PHONY: help install lab test lint unit notebooks bench gpu-check lock clean
 
 help:
 	@echo "make lab    start JupyterLab on notebooks/ (HOST=$(HOST) PORT=$(PORT))"
-	@echo "make test   lint, unit tests, every notebook in the smoke profile"
+	@echo "make test   lint, unit tests, every notebook in the smoke profile (JOBS=$(JOBS) workers)"
 	@echo "make bench  run the benchmarks and print their figures"
 	@echo "make gpu-check  the GPU paths in <5 min, no venv or Jupyter (PYTHON=$(PYTHON))"
 
@@ -41,20 +48,27 @@ $(STAMP):
 lab: install
 	$(PY) -m labkit lab --host $(HOST) --port $(PORT) --root notebooks
 
-test: install lint unit notebooks
+# Lint, unit tests, notebooks: stops at the first that fails, then (pass or fail) prints where
+# the time went, the ten slowest tests and notebooks, so that a regression shows as it happens.
+test: install
+	@rm -f $(TIMES)/unit.json $(TIMES)/notebooks.json
+	@status=0; $(MAKE) --no-print-directory lint unit notebooks || status=$$?; \
+		echo ">> where the time went"; $(PY) -m tests.timing_report unit notebooks; exit $$status
 
 lint: install
 	$(PY) -m ruff check labkit tests
 
 unit: install
-	$(SINGLE_THREAD) $(PY) -m pytest tests
+	$(SINGLE_THREAD) $(PY) -m pytest -n $(JOBS) --dist loadfile \
+		-p tests.timing_report --labkit-times=unit tests
 
 notebooks: install
 ifeq ($(NOTEBOOKS),)
 	@echo ">> no notebooks yet"
 else
 	LABKIT_PROFILE=smoke LABKIT_HOME=$(CURDIR)/.pytest_cache/labkit-home $(SINGLE_THREAD) \
-		$(PY) -m pytest -p tests.notebook_budget \
+		$(PY) -m pytest -n $(NB_JOBS) --dist loadfile -p tests.notebook_budget \
+		-p tests.solution_cells -p tests.timing_report --labkit-times=notebooks \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS) \
 		$(sort $(wildcard solutions/*.ipynb))
 endif
