@@ -22,16 +22,27 @@ def _fmt(actions) -> str:
 
 def _as_schedule(fn, stages: int, m: int) -> list[list[tuple[str, int]]]:
     """The learner's schedule for (stages, m), as lists of ("F"/"B", int) tuples, or NotYet."""
-    got = fn(stages, m)
-    shape = (f"my_1f1b({stages}, {m}) must return a list of {stages} lists (one per stage) of "
-             f"actions like ('F', 0)")
-    if not isinstance(got, (list, tuple)) or len(got) != stages:
+    return parse_schedule(fn(stages, m), f"my_1f1b({stages}, {m})", stages, "stage", "('F', 0)",
+                          fields=2)
+
+
+def parse_schedule(got, call: str, rows: int, per: str, example: str, *,
+                   fields: int) -> list[list[tuple]]:
+    """A learner's schedule as ``rows`` lists (one per ``per``: stage or rank) of actions
+    ``(kind, int, ...)`` of ``fields`` fields, like ``example``, or NotYet saying what ``call``
+    should return. Notebook 10's interleaved schedule (``(kind, chunk, i)``) is read the same
+    way."""
+    shape = f"{call} must return a list of {rows} lists (one per {per}) of actions like {example}"
+    if not isinstance(got, (list, tuple)) or len(got) != rows:
         what = f"{len(got)} lists" if isinstance(got, (list, tuple)) else repr(got)[:120]
-        raise NotYet(f"my_1f1b({stages}, {m}) returned {what}", shape)
+        raise NotYet(f"{call} returned {what}", shape)
     try:
-        return [[(str(kind), int(i)) for kind, i in actions] for actions in got]
-    except (TypeError, ValueError):
-        raise NotYet(f"my_1f1b({stages}, {m}) returned {str(got)[:120]}", shape) from None
+        out = [[(str(a[0]), *(int(v) for v in a[1:])) for a in actions] for actions in got]
+    except (TypeError, ValueError, IndexError, KeyError):
+        out = None
+    if out is None or any(len(a) != fields for actions in out for a in actions):
+        raise NotYet(f"{call} returned {str(got)[:120]}", shape)
+    return out
 
 
 def _schedule_mistake(stage: int, stages: int, m: int, got, want) -> NotYet:
@@ -196,7 +207,6 @@ def _probe_mistake(ranks) -> NotYet | None:
     import torch
 
     t = len(ranks)
-    total = t * (t + 1) / 2  # the sum over ranks of (rank + 1)
     for r, got in enumerate(p["probe"] for p in ranks):
         x = torch.arange(6.0).reshape(2, 3)
         if not _same(got["f_forward"], x):
@@ -206,29 +216,43 @@ def _probe_mistake(ranks) -> NotYet | None:
                           "f's forward must return x unchanged: every rank already holds all of "
                           "x (return x.view_as(x), or x itself)")
         fb, gf, gb = got["f_backward"], got["g_forward"], got["g_backward"]
-        if not _same(gf, torch.full_like(x, total)):
-            said = {r + 1.0: "this rank's partial output unchanged", total / t: "the average"}
-            what = said.get(round(gf.flatten()[0].item(), 6), f"{gf.flatten()[0].item():g}")
-            return NotYet(f"rank {r}: g's forward returned {what} (partials "
-                          f"{list(range(1, t + 1))} on the ranks, their sum is {total:g})",
-                          "g's forward must all-reduce (sum, dist.all_reduce's default op, no "
-                          "division) the partial outputs, on a copy: dist.all_reduce works in "
-                          "place")
+        mistake = _not_summed(r, t, gf, x, "g's forward", "partials",
+                              "this rank's partial output unchanged",
+                              "g's forward must all-reduce (sum, dist.all_reduce's default op, "
+                              "no division) the partial outputs, on a copy: dist.all_reduce "
+                              "works in place")
+        if mistake is not None:
+            return mistake
         if not _same(gb, torch.ones_like(x)):
             return NotYet(f"rank {r}: g's backward handed back {gb.flatten()[0].item():g} times "
                           f"the incoming gradient",
                           "g's backward must pass the gradient through unchanged: it is "
                           "already the same on every rank, so summing it multiplies every "
                           "gradient by the number of ranks")
-        if not _same(fb, torch.full_like(x, total)):
-            said = {r + 1.0: "its own gradient unchanged", total / t: "the average"}
-            what = said.get(round(fb.flatten()[0].item(), 6), f"{fb.flatten()[0].item():g}")
-            return NotYet(f"rank {r}: f's backward returned {what} (gradients "
-                          f"{list(range(1, t + 1))} on the ranks, their sum is {total:g})",
-                          "outputs right, input gradients wrong: the backward of the copy (f) "
-                          "must all-reduce (sum) the gradient: each rank holds only its share "
-                          "of dL/dx")
+        mistake = _not_summed(r, t, fb, x, "f's backward", "gradients",
+                              "its own gradient unchanged",
+                              "outputs right, input gradients wrong: the backward of the copy "
+                              "(f) must all-reduce (sum) the gradient: each rank holds only its "
+                              "share of dL/dx")
+        if mistake is not None:
+            return mistake
     return None
+
+
+def _not_summed(r: int, t: int, got, like, part: str, noun: str, own: str,
+                hint: str) -> NotYet | None:
+    """None when ``got`` is shaped ``like`` and holds the sum over the ``t`` ranks of their
+    ``rank + 1``, else NotYet naming what it holds instead: this rank's ``own`` value, the
+    average, or the value."""
+    import torch
+
+    total = t * (t + 1) / 2  # the sum over ranks of (rank + 1)
+    if _same(got, torch.full_like(like, total)):
+        return None
+    said = {r + 1.0: own, total / t: "the average"}
+    what = said.get(round(got.flatten()[0].item(), 6), f"{got.flatten()[0].item():g}")
+    return NotYet(f"rank {r}: {part} returned {what} ({noun} {list(range(1, t + 1))} on the "
+                  f"ranks, their sum is {total:g})", hint)
 
 
 @exercise("tp_f_and_g", notebook=NOTEBOOK, title="Megatron's f and g")

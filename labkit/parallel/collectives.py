@@ -64,7 +64,8 @@ def ring_allreduce(x: torch.Tensor, group=None) -> torch.Tensor:
     _check(x)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
-        return x
+        return x  # nothing to add: the sum over one rank is its own tensor
+    # Ranks in the group's numbering form the ring; sends address global ranks.
     right, left = _peer(group, (rank + 1) % n), _peer(group, (rank - 1) % n)
     chunks = list(x.view(-1).tensor_split(n))  # views into x: work in place, sizes may differ by 1
     incoming = torch.empty_like(chunks[0])
@@ -89,11 +90,10 @@ def recursive_doubling_allreduce(x: torch.Tensor, group=None) -> torch.Tensor:
     add, so after ``log2 n`` steps every rank holds the total (bitwise the same on all ranks:
     ``a + b == b + a`` in floating point). Worker function.
 
-    Example::
+    Example (inside a worker, 2 ranks: one step, one swap)::
 
-        >>> x = torch.full((10,), float(dist.get_rank()))   # inside a worker, 4 ranks
-        >>> recursive_doubling_allreduce(x)[:3]
-        tensor([6., 6., 6.])
+        >>> recursive_doubling_allreduce(torch.ones(4) * (dist.get_rank() + 1))
+        tensor([3., 3., 3., 3.])
     """
     _check(x)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -102,9 +102,11 @@ def recursive_doubling_allreduce(x: torch.Tensor, group=None) -> torch.Tensor:
         raise ValueError(f"recursive doubling pairs ranks by XOR, so it needs a power-of-two "
                          f"number of ranks; got {n}: use ring_allreduce, or {lower} or "
                          f"{2 * lower} ranks")
-    incoming = torch.empty_like(x)
+    incoming = torch.empty_like(x)  # the partner's whole tensor arrives at every step
     mask = 1
     while mask < n:
+        # Step k pairs ranks that differ in bit k: after it, each holds the sum over a
+        # group of 2^(k+1) ranks, so log2(n) steps reach all n.
         partner = _peer(group, rank ^ mask)
         _exchange(x, partner, incoming, partner, group)
         x += incoming

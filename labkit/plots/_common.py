@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["figure_for", "size_label", "check_rows", "rows_by", "integer_ticks", "SCALING_MODES"]
+__all__ = ["figure_for", "figure_pair", "size_label", "check_rows", "rows_by", "integer_ticks",
+           "SCALING_MODES"]
 
 
 def figure_for(ax, figsize):
@@ -13,6 +14,21 @@ def figure_for(ax, figsize):
     if ax is None:
         return plt.subplots(figsize=figsize)
     return ax.figure, ax
+
+
+def figure_pair(ax, figsize):
+    """``(figure, left, right)`` for a figure of two panels side by side: a new figure when
+    ``ax`` is None, the two axes of a given pair, or one given axes (``right`` None: the caller
+    draws only the left panel)."""
+    from matplotlib import pyplot as plt
+
+    if ax is None:
+        fig, (left, right) = plt.subplots(1, 2, figsize=figsize)
+        return fig, left, right
+    if isinstance(ax, (list, tuple)):
+        left, right = ax
+        return left.figure, left, right
+    return ax.figure, ax, None
 
 
 def size_label(n: float, _pos=None) -> str:

@@ -3,7 +3,7 @@ planner's memory and bytes (and its predictions beside measurements)."""
 
 from __future__ import annotations
 
-from ._common import check_rows, figure_for
+from ._common import check_rows, figure_for, figure_pair
 
 __all__ = ["zero_plot", "mesh_plot", "wire_plot", "planner_plot", "planner_check_plot"]
 
@@ -27,20 +27,13 @@ def zero_plot(rows: list[dict], ax=None):
 
         >>> fig = zero_plot(zero.zero_rows(zero1, zero2, zero3))
     """
-    from matplotlib import pyplot as plt
 
     advice = ("pass zero.zero_rows(zero1, zero2, zero3): rows of {'label', 'params', 'grads', "
               "'optimizer', 'in_flight', 'wire'} in bytes")
     if not rows:
         raise ValueError(f"no rows to plot: {advice}")
     check_rows(rows, ["label", *_ZERO_KINDS, "in_flight", "wire"], "rows", advice)
-    if ax is None:
-        fig, (held_ax, wire_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    elif isinstance(ax, (list, tuple)):
-        held_ax, wire_ax = ax
-        fig = held_ax.figure
-    else:
-        held_ax, wire_ax, fig = ax, None, ax.figure
+    fig, held_ax, wire_ax = figure_pair(ax, (10, 3.8))
     x = list(range(len(rows)))
     labels = [r["label"] for r in rows]
     bottom = [0.0] * len(rows)
@@ -227,19 +220,12 @@ def planner_plot(rows: list[dict], ax=None):
 
         >>> fig = planner_plot([planner.plan(model, cluster, degrees).row()])
     """
-    from matplotlib import pyplot as plt
 
     advice = "pass Plan.row() dicts, e.g. [planner.plan(model, cluster, degrees).row()]"
     if not rows:
         raise ValueError(f"no plans to plot: {advice}")
     check_rows(rows, ["label", "memory", "budget", "device_memory", "comm"], "rows", advice)
-    if ax is None:
-        fig, (mem_ax, comm_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    elif isinstance(ax, (list, tuple)):
-        mem_ax, comm_ax = ax
-        fig = mem_ax.figure
-    else:
-        mem_ax, comm_ax, fig = ax, None, ax.figure
+    fig, mem_ax, comm_ax = figure_pair(ax, (10, 3.8))
     x = range(len(rows))
     bottom = [0.0] * len(rows)
     for part in _PLAN_PARTS:

@@ -11,6 +11,21 @@ __all__ = ["pipeline_timeline", "bubble_plot", "schedule_timeline_plot"]
 _PIPELINE_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}  # forward blue, backward orange
 
 
+def _events_of_step(events: list[dict], step: int, source: str) -> list[dict]:
+    """The events of ``step`` (simulated ones carry no step: they are step 0), or a clear error
+    naming ``source``, the functions whose events a timeline draws."""
+    if not events:
+        raise ValueError(f"no events to plot: pass the 'events' that {source} returned")
+    missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
+    if missing:
+        raise ValueError(f"events lack {sorted(missing)}: pass the events {source} returned")
+    shown = [e for e in events if e.get("step", 0) == step]
+    if not shown:
+        steps = sorted({e.get("step", 0) for e in events})
+        raise ValueError(f"no events of step {step}: the events hold steps {steps}")
+    return shown
+
+
 def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 0, ax=None):
     """Gantt chart of one pipeline step: one row per rank, F and B blocks, idle as gaps.
 
@@ -27,16 +42,7 @@ def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 
     """
     from matplotlib.patches import Patch
 
-    if not events:
-        raise ValueError("no events to plot: pass the 'events' that run_pipeline or simulate "
-                         "returned")
-    missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
-    if missing:
-        raise ValueError(f"events lack {sorted(missing)}: pass the events run_pipeline returned")
-    shown = [e for e in events if e.get("step", 0) == step]
-    if not shown:
-        steps = sorted({e.get("step", 0) for e in events})
-        raise ValueError(f"no events of step {step}: the events hold steps {steps}")
+    shown = _events_of_step(events, step, "run_pipeline or simulate")
     ranks = sorted({e["rank"] for e in shown})
     t0 = min(e["start"] for e in shown)
     # Measured steps last milliseconds; simulate()'s unit slots (1.0, 2.0) are drawn as they are.
@@ -129,17 +135,8 @@ def schedule_timeline_plot(events: list[dict], title: str | None = None, step: i
     from matplotlib import colors as mcolors
     from matplotlib.patches import Patch
 
-    if not events:
-        raise ValueError("no events to plot: pass the 'events' of schedules.simulate_chunked, "
-                         "schedule_timeline or pipelined_step")
-    missing = {"rank", "kind", "micro", "start", "end"} - set(events[0])
-    if missing:
-        raise ValueError(f"events lack {sorted(missing)}: pass the events "
-                         f"schedules.simulate_chunked or pipelined_step returned")
-    shown = [e for e in events if e.get("step", 0) == step]
-    if not shown:
-        steps = sorted({e.get("step", 0) for e in events})
-        raise ValueError(f"no events of step {step}: the events hold steps {steps}")
+    shown = _events_of_step(events, step, "schedules.simulate_chunked, schedule_timeline or "
+                                          "pipelined_step")
     ranks = sorted({e["rank"] for e in shown})
     chunks = max(e.get("chunk", 0) for e in shown) + 1
     t0 = min(e["start"] for e in shown)

@@ -13,6 +13,7 @@ gradients must equal the unpipelined step's.
 from __future__ import annotations
 
 from ...check import NotYet, exercise, on_ranks
+from ..model_parallel import parse_schedule
 
 NOTEBOOK = "10"
 __all__ = ["interleaved_schedule"]
@@ -30,17 +31,8 @@ def _fmt(pairs, limit: int = 12) -> str:
 
 def _as_schedule(fn, stages: int, chunks: int, m: int) -> list[list[tuple[str, int, int]]]:
     """The learner's schedule as lists of (kind, chunk, i) tuples, or NotYet."""
-    call = f"my_interleaved({stages}, {chunks}, {m})"
-    got = fn(stages, chunks, m)
-    shape = (f"{call} must return a list of {stages} lists (one per rank) of actions like "
-             f"('F', chunk, i) and ('B', chunk, i)")
-    if not isinstance(got, (list, tuple)) or len(got) != stages:
-        what = f"{len(got)} lists" if isinstance(got, (list, tuple)) else repr(got)[:120]
-        raise NotYet(f"{call} returned {what}", shape)
-    try:
-        return [[(str(kind), int(c), int(i)) for kind, c, i in actions] for actions in got]
-    except (TypeError, ValueError):
-        raise NotYet(f"{call} returned {str(got)[:120]}", shape) from None
+    return parse_schedule(fn(stages, chunks, m), f"my_interleaved({stages}, {chunks}, {m})",
+                          stages, "rank", "('F', chunk, i) and ('B', chunk, i)", fields=3)
 
 
 def _depth_first(pairs) -> bool:

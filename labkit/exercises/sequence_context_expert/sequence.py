@@ -192,20 +192,29 @@ def _gather_mistake(r: int, t: int, found: dict) -> NotYet | None:
                       "backward(ctx, grad) gets the gradient of all the tokens and returns this "
                       "rank's rows of its sum over the ranks: dist.reduce_scatter_tensor(out, "
                       "grad.contiguous()) with out shaped like the shard")
-    got = bwd["value"]
-    if _same(got, mine * (r + 1.0)):
-        return NotYet(f"rank {r}: MyGatherSeq's backward kept this rank's rows of its own "
-                      f"gradient, without the other ranks' contributions",
-                      "every rank used these tokens (with its own slice of the weights), so "
-                      "their gradient is the SUM over the ranks: reduce-scatter, not a slice")
-    if _same(got, mine * (total / t)):
-        return NotYet(f"rank {r}: MyGatherSeq's backward averaged the gradients over the ranks",
-                      "reduce-scatter with the default op, SUM, and no division: the ranks' "
-                      "contributions add up to the dense gradient")
-    if not _same(got, mine * total):
-        return NotYet(f"rank {r}: MyGatherSeq's backward returned the wrong values",
-                      "this rank's rows of the gradient summed over the ranks "
-                      "(dist.reduce_scatter_tensor)")
+    return _sum_mistake(
+        r, bwd["value"], mine * total, mine * (r + 1.0), t,
+        kept=("MyGatherSeq's backward kept this rank's rows of its own gradient, without the "
+              "other ranks' contributions",
+              "every rank used these tokens (with its own slice of the weights), so their "
+              "gradient is the SUM over the ranks: reduce-scatter, not a slice"),
+        averaged=("MyGatherSeq's backward averaged the gradients over the ranks",
+                  "reduce-scatter with the default op, SUM, and no division: the ranks' "
+                  "contributions add up to the dense gradient"),
+        wrong=("MyGatherSeq's backward returned the wrong values",
+               "this rank's rows of the gradient summed over the ranks "
+               "(dist.reduce_scatter_tensor)"))
+
+
+def _sum_mistake(r: int, got, right, own, t: int, *, kept, averaged, wrong) -> NotYet | None:
+    """The usual wrong answers where ``right`` is a sum over the ``t`` ranks of which ``own`` is
+    this rank's part: ``kept`` (only its own part), ``averaged`` (the sum divided by ``t``),
+    ``wrong`` (any other values); each a ``(what, hint)`` pair. None when ``got`` is right."""
+    for expected, (what, hint) in ((own, kept), (right / t, averaged)):
+        if _same(got, expected):
+            return NotYet(f"rank {r}: {what}", hint)
+    if not _same(got, right):
+        return NotYet(f"rank {r}: {wrong[0]}", wrong[1])
     return None
 
 
@@ -240,18 +249,18 @@ def _scatter_mistake(r: int, t: int, found: dict) -> NotYet | None:
         return NotYet(f"rank {r}: MyScatterSeq's forward gave shape {tuple(got.shape)}, "
                       f"expected {tuple(mine.shape)}",
                       "this rank's seq / t rows of the sum: out has x.shape[0] // t rows")
-    if _same(got, mine * (r + 1.0)):
-        return NotYet(f"rank {r}: MyScatterSeq's forward kept its own rows of its own partial "
-                      f"sums",
-                      "the row-parallel layer's outputs are partial sums: they must be summed "
-                      "over the ranks (reduce-scatter), not just sliced")
-    if _same(got, mine * (total / t)):
-        return NotYet(f"rank {r}: MyScatterSeq's forward averaged the partial sums",
-                      "reduce-scatter sums (the default op, SUM), no division: the partial "
-                      "sums add up to the dense layer's output")
-    if not _same(got, mine * total):
-        return NotYet(f"rank {r}: MyScatterSeq's forward returned the wrong values",
-                      "this rank's rows of the sum over the ranks, in rank order")
+    mistake = _sum_mistake(
+        r, got, mine * total, mine * (r + 1.0), t,
+        kept=("MyScatterSeq's forward kept its own rows of its own partial sums",
+              "the row-parallel layer's outputs are partial sums: they must be summed over the "
+              "ranks (reduce-scatter), not just sliced"),
+        averaged=("MyScatterSeq's forward averaged the partial sums",
+                  "reduce-scatter sums (the default op, SUM), no division: the partial sums add "
+                  "up to the dense layer's output"),
+        wrong=("MyScatterSeq's forward returned the wrong values",
+               "this rank's rows of the sum over the ranks, in rank order"))
+    if mistake is not None:
+        return mistake
     bwd = found["scatter_backward"]
     want = torch.cat([base[q * s:(q + 1) * s] * (q + 1.0) for q in range(t)])
     if "error" in bwd:
