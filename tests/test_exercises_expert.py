@@ -39,7 +39,7 @@ def test_expert_dispatch_is_registered_for_notebook_09():
     ex = EXERCISES["expert_dispatch"]
     assert ex.notebook == "09" and ex.grader == "expert_dispatch"
     assert ex.title == "the permutation that sends each token to its expert's rank"
-    assert expert_module.__all__ == ["expert_dispatch"] and expert_module.NOTEBOOK == "09"
+    assert "expert_dispatch" in expert_module.__all__ and expert_module.NOTEBOOK == "09"
 
 
 def test_expert_dispatch_wrong_counts_per_expert():
@@ -122,3 +122,27 @@ def test_expert_dispatch_placeholder_is_not_written_yet():
 
     verdict = exercise.expert_dispatch(stub)
     assert not verdict and "not written yet" in verdict.detail
+
+
+def test_expert_dispatch_wrong_counts_stop_before_an_empty_last_rank():
+    def no_minlength(expert_index, n_experts, world_size):
+        order = torch.argsort(expert_index, stable=True)
+        return order, torch.bincount(expert_index // (n_experts // world_size)).tolist()
+
+    verdict = exercise.expert_dispatch(no_minlength)
+    assert not verdict and "the last rank gets no token (4 experts on 2 ranks)" in verdict.detail
+    assert "has 1 entries for 2 ranks" in verdict.detail
+    assert "the last rank receives no rows" in verdict.hint and "minlength" in verdict.hint
+
+
+def test_expert_dispatch_written_another_way_passes():
+    def by_rank_then_expert(expert_index, n_experts, world_size):
+        per_rank = n_experts // world_size
+        dest = expert_index // per_rank
+        n = len(expert_index)
+        # a composite key sorted without stable=True: unique keys need no stability
+        key = (dest * n_experts + expert_index) * n + torch.arange(n)
+        counts = [int((dest == r).sum()) for r in range(world_size)]  # a list comprehension
+        return torch.sort(key).indices, counts
+
+    assert exercise.expert_dispatch(by_rank_then_expert)

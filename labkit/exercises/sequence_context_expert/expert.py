@@ -22,12 +22,17 @@ def _cases():
     all_to_rank_1 = torch.randint(2, 4, (10,), generator=g)
     top1 = torch.randint(0, 8, (12, 1), generator=g).reshape(-1)
     eight_on_two = torch.randint(0, 8, (12, 2), generator=g).reshape(-1)
+    # the last rank receives no row: a count list that stops at the last rank seen is short
+    none_to_last = torch.randint(0, 2, (9, 2), generator=g).reshape(-1)
+    none_to_last_of_4 = torch.tensor([5, 0, 2, 4, 1, 5, 3, 0, 4, 2])
     return [("top-2 routing, 4 experts on 2 ranks", top2, 4, 2),
             ("expert 1 gets no token", no_expert_1, 4, 2),
             ("rank 2 gets no token (8 experts on 4 ranks)", no_rank_2, 8, 4),
             ("every token goes to rank 1", all_to_rank_1, 4, 2),
             ("top-1 routing, 8 experts on 4 ranks", top1, 8, 4),
-            ("8 experts on 2 ranks", eight_on_two, 8, 2)]
+            ("8 experts on 2 ranks", eight_on_two, 8, 2),
+            ("the last rank gets no token (4 experts on 2 ranks)", none_to_last, 4, 2),
+            ("the last rank gets no token (8 experts on 4 ranks)", none_to_last_of_4, 8, 4)]
 
 
 def _as_counts(counts):
@@ -78,6 +83,14 @@ def _dispatch_mistake(what, flat, n_experts, world, got) -> NotYet | None:
     if counts is None:
         return NotYet(f"{where}: send_counts is not a list of numbers",
                       f"send_counts must be a list of {world} ints, one per destination rank")
+    if len(counts) < world and counts == want_counts[:len(counts)] and not any(
+            want_counts[len(counts):]):
+        return NotYet(f"{where}: send_counts {counts} has {len(counts)} entries for {world} "
+                      f"ranks (expected {want_counts})",
+                      f"the last rank receives no rows here, and the counts stop at the last "
+                      f"rank that does: all_to_all_single needs a count for every rank, zeros "
+                      f"included, e.g. torch.bincount(expert // {per_rank}, "
+                      f"minlength=world_size)")
     if len(counts) != world:
         per_expert = torch.bincount(flat, minlength=n_experts).tolist()
         if len(counts) == n_experts and counts == per_expert:
@@ -135,11 +148,15 @@ def _dispatch_on_ranks(fn) -> dict:
     n_experts = 2 * dist.get_world_size()
     bias = [0.0] * n_experts
     bias[1] = -1e4  # expert 1 gets no token
+    last = [0.0] * (n_experts - 2) + [-1e4, -1e4]  # the last rank's two experts get none
     runs = [moe_check(24, 8, 16, n_experts, 2, capacity_factor=1.0, seed=1, dispatch=fn),
-            moe_check(24, 8, 16, n_experts, 1, seed=2, router_bias=bias, dispatch=fn)]
+            moe_check(24, 8, 16, n_experts, 1, seed=2, router_bias=bias, dispatch=fn),
+            moe_check(12, 8, 16, n_experts, 2, seed=3, router_bias=last, dispatch=fn)]
     return {"output": max(r["output"] for r in runs),
             "grads": max(max(r["grads"].values()) for r in runs),
-            "dropped": runs[0]["reference"]["dropped"]}
+            "dropped": runs[0]["reference"]["dropped"],
+            # the route: the bytes all_to_all_single sent, against those the routing implies
+            "bytes": [(r["bytes"]["measured"], r["bytes"]["from_routing"]) for r in runs]}
 
 
 @exercise("expert_dispatch", notebook=NOTEBOOK,
@@ -174,12 +191,20 @@ def expert_dispatch(fn) -> str:
                          "your function passed the cases here but not on the ranks: does it "
                          "depend on something besides its arguments, or change expert_index "
                          "in place?")
+        for rank, got in enumerate(ranks):
+            for measured, routed in got["bytes"]:
+                if measured != routed:
+                    raise NotYet(f"on {nproc} ranks, rank {rank} sent {measured} bytes; the "
+                                 f"routing asks for {routed}",
+                                 "right values by another route: only the rows bound for other "
+                                 "ranks cross the wire, once in each direction")
         dropped.append(ranks[0]["dropped"])
     return (f"order and send_counts right for {len(cases)} cases (an empty expert, an empty "
-            f"rank, every token to one rank, top-1); on 2 and 4 gloo ranks they drove the real "
-            f"all_to_all_single and the layer equals the single-process MoE (outputs and "
-            f"gradients within {_TOL:g}, the same {dropped[0]} and {dropped[1]} rows over "
-            f"capacity dropped)")
+            f"rank, the last rank empty, every token to one rank, top-1); on 2 and 4 gloo ranks "
+            f"they drove the real all_to_all_single (also with the last rank receiving no row) "
+            f"and the layer equals the single-process MoE (outputs and gradients within "
+            f"{_TOL:g}, the same {dropped[0]} and {dropped[1]} rows over capacity dropped, the "
+            f"bytes sent those the routing implies)")
 
 
 # ==== challenge: the all-to-all as an autograd Function =======================================
