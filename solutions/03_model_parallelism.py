@@ -52,3 +52,39 @@ def my_zero_bytes(n_params, world_size, stage, param_bytes=2, grad_bytes=2, opti
 
     return {"params": per_rank(param_bytes, 3), "grads": per_rank(grad_bytes, 2),
             "optimizer": per_rank(optimizer_bytes, 1)}
+
+# %% gpipe_runner
+def my_gpipe_step(stage, x, y, rows, width, m, loss_fn):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, last = rank == 0, rank == world - 1
+    dtype = next(stage.parameters()).dtype
+    sizes = [len(part) for part in torch.arange(rows).tensor_split(m)]  # may differ by one
+    inputs, outputs, sends = [], [], []
+    for i, n in enumerate(sizes):  # every forward first
+        if first:
+            inp = x.tensor_split(m)[i]
+        else:
+            inp = torch.empty(n, width, dtype=dtype)
+            dist.recv(inp, src=rank - 1)  # the n-th message is micro-batch n
+            inp.requires_grad_()  # its gradient goes back to rank - 1
+        out = stage(inp)
+        if last:  # micro-batch i's share of the whole batch's mean loss
+            out = loss_fn(out, y.tensor_split(m)[i]) * (n / rows)
+        else:
+            sends.append(dist.isend(out.detach(), dst=rank + 1))  # isend: no waiting on rank + 1
+        inputs.append(inp)
+        outputs.append(out)
+    loss = 0.0
+    for i in range(m):  # then every backward; the .grad of the m add up
+        if last:
+            outputs[i].backward()
+            loss += outputs[i].item()
+        else:
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, src=rank + 1)
+            outputs[i].backward(grad)
+        if not first:
+            sends.append(dist.isend(inputs[i].grad, dst=rank - 1))
+    for work in sends:
+        work.wait()
+    return loss if last else None

@@ -365,3 +365,198 @@ def zero_bytes_per_rank(fn) -> str:
                 raise _zero_mistake(case, key, value, want[key])
     return (f"stages 0 to 3 for {len(cases) // 4} models (mixed-precision Adam, fp32 Adam, SGD) "
             f"match memory.estimate_memory")
+
+
+# ==== challenge: a GPipe runner, stages on ranks, micro-batches over point-to-point ==========
+# Graded on 2 and 4 ranks by every stage's gradients and the loss against one process on the
+# whole batch, and by the route: m activation messages forward, m gradient messages back, each
+# of its micro-batch's bytes, every forward before any backward (GPipe, not 1F1B).
+
+_GP_WIDTH = 4
+_GP_CASES = (("float32", 7, 3), ("float64", 8, 4))  # (dtype, rows, m): uneven, then even
+_GP_TOL = {"float32": 1e-5, "float64": 1e-12}
+_GP_ROUTE = ("GPipe: every forward first (micro-batch 0 to m - 1: receive its activations from "
+             "rank r - 1 unless first, run the stage, send the output to rank r + 1 unless "
+             "last), then every backward (receive the gradient of the output from rank r + 1 "
+             "unless last, backward, send the input's gradient to rank r - 1 unless first); one "
+             "message per micro-batch each way, with dist.isend / dist.recv")
+_GP_BUFFER = ("receive into a buffer of the micro-batch's own rows (sizes from tensor_split: "
+              "they differ by one when m does not divide rows) and of the stage's dtype "
+              "(next(stage.parameters()).dtype), so that each message fits the buffer it lands "
+              "in")
+
+
+def _gp_stage(dtype: str, rank: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(10 + rank)
+    return nn.Sequential(nn.Linear(_GP_WIDTH, _GP_WIDTH), nn.Tanh()).to(getattr(torch, dtype))
+
+
+def _gpipe_worker(fn) -> list[dict]:
+    """Each rank, each case: ``fn`` runs one step of stage ``rank``; grads, loss, messages."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ..parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype, rows, m in _GP_CASES:
+        dt = getattr(torch, dtype)
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, _GP_WIDTH, generator=g).to(dt)
+        y = torch.randn(rows, _GP_WIDTH, generator=g).to(dt)
+        ref = [_gp_stage(dtype, r) for r in range(world)]  # one process, the whole batch
+        h = x
+        for s in ref:
+            h = s(h)
+        ref_loss = nn.functional.mse_loss(h, y)
+        ref_loss.backward()
+        stage = _gp_stage(dtype, rank)
+        with traffic.count_traffic() as t:
+            loss = fn(stage, x if rank == 0 else None, y if rank == world - 1 else None, rows,
+                      _GP_WIDTH, m, nn.functional.mse_loss)
+        out.append({
+            "dtype": dtype, "rows": rows, "m": m,
+            "calls": [(c.op, c.payload_bytes) for c in t.calls],
+            "grads": [None if p.grad is None else p.grad.detach().clone()
+                      for p in stage.parameters()],
+            "want": [p.grad.detach().clone() for p in ref[rank].parameters()],
+            "loss": None if loss is None else float(loss), "ref_loss": float(ref_loss)})
+    return out
+
+
+def _gp_on_ranks(fn, world: int) -> list:
+    try:
+        return on_ranks(_gpipe_worker, fn, nproc=world, timeout=30.0)
+    except NotYet as wrong:
+        hint = wrong.hint
+        if wrong.stuck:
+            hint = ("a rank waited for a message that never came: every send needs the matching "
+                    "receive on the neighbour, in the same order (forwards 0..m-1 to rank r + 1, "
+                    "then backwards to rank r - 1), and a blocking dist.send can wait for a rank "
+                    "that is itself sending: send with dist.isend and wait() at the end")
+        elif any(sign in wrong.detail for sign in ("size doesn't match", "SIGABRT",
+                                                   "Connection reset", "native code")):
+            hint = "a message arrived into a buffer of another size or dtype: " + _GP_BUFFER
+        raise NotYet(f"on {world} ranks: {wrong.detail}", hint) from None
+
+
+def _gp_route(where: str, got: dict, rank: int, world: int, esize: int) -> None:
+    import torch
+
+    calls, m, rows = got["calls"], got["m"], got["rows"]
+    others = sorted({op for op, _ in calls if op not in ("send", "recv")})
+    if others:
+        raise NotYet(f"{where}: it called {', '.join(others)}",
+                     "stages talk to their neighbours only, with point-to-point messages: "
+                     + _GP_ROUTE)
+    sizes = [len(p) * _GP_WIDTH * esize for p in torch.arange(rows).tensor_split(m)]
+    first, last = rank == 0, rank == world - 1
+    # forward: activations in from r - 1 (recv) and out to r + 1 (send); backward the reverse
+    sends = [c for c in calls if c[0] == "send"]
+    recvs = [c for c in calls if c[0] == "recv"]
+    n_send, n_recv = (0 if last else m) + (0 if first else m), (0 if first else m) + (
+        0 if last else m)
+    if len(sends) != n_send or len(recvs) != n_recv:
+        one = " (one message of the whole batch: no micro-batches)" if len(sends) in (1, 2) \
+            and m > 2 else ""
+        raise NotYet(f"{where}: rank {rank} sent {len(sends)} and received {len(recvs)} "
+                     f"messages{one}; with m = {m} it sends {n_send} and receives {n_recv}",
+                     _GP_ROUTE)
+    if sorted(b for _, b in sends) != sorted(
+            ([] if last else sizes) + ([] if first else sizes)):
+        raise NotYet(f"{where}: rank {rank} sent messages of {[b for _, b in sends]} bytes; "
+                     f"each micro-batch's activations or gradient are {sizes} bytes",
+                     _GP_BUFFER)
+    # GPipe: the forward's messages all come before the backward's, on every rank
+    if first and last:
+        return
+    forward_count = m if (first or last) else 2 * m
+    head = calls[:forward_count]
+    if first:
+        in_forward = all(op == "send" for op, _ in head)
+    elif last:
+        in_forward = all(op == "recv" for op, _ in head)
+    else:
+        in_forward = [op for op, _ in head].count("recv") == m and \
+            [op for op, _ in head].count("send") == m
+    if not in_forward:
+        raise NotYet(f"{where}: rank {rank} exchanged a backward message before its last "
+                     f"forward one (calls in order: {[op for op, _ in calls]})",
+                     "that is not GPipe's order (1F1B interleaves, GPipe does not): run all m "
+                     "forwards, then all m backwards; " + _GP_ROUTE)
+
+
+@exercise("gpipe_runner", notebook=NOTEBOOK, title="challenge: a GPipe step on real stages")
+def gpipe_runner(fn, worlds=(2, 4)) -> str:
+    """Challenge: ``fn(stage, x, y, rows, width, m, loss_fn) -> loss`` runs one GPipe step.
+
+    Rank r holds ``stage``, the r-th part of the model; rank 0 gets the batch ``x``, the last
+    rank the targets ``y`` (others None). Run on real gloo ranks (``worlds``): 7 float32 rows
+    in m = 3 micro-batches (uneven), 8 float64 rows in 4. Every stage's gradients and the last
+    rank's loss must equal one process's on the whole batch (the mean loss); each rank sends m
+    messages each way of its micro-batches' bytes, every forward before any backward.
+
+    Example::
+
+        >>> exercise.gpipe_runner(my_gpipe_step)
+        [pass] challenge: a GPipe step on real stages: on 2 and 4 ranks ...
+    """
+    for world in worlds:
+        ranks = _gp_on_ranks(fn, world)
+        for rank, per_case in enumerate(ranks):
+            for got in per_case:
+                dtype, tol = got["dtype"], _GP_TOL[got["dtype"]]
+                where = (f"on {world} ranks, {dtype}, {got['rows']} rows in m = {got['m']} "
+                         f"micro-batches")
+                if any(g is None for g in got["grads"]):
+                    raise NotYet(f"{where}: stage {rank}'s parameters have no .grad",
+                                 "every stage runs the backward of each micro-batch: "
+                                 "output.backward(gradient received from rank r + 1), or "
+                                 "loss.backward() on the last rank")
+                esize = 8 if dtype == "float64" else 4
+                _gp_values(where, got, rank, world, tol)
+                _gp_route(where, got, rank, world, esize)
+    return (f"on {' and '.join(map(str, worlds))} ranks, float32 and float64, uneven and even "
+            f"micro-batches: every stage's gradients and the loss equal one process's on the "
+            f"whole batch; m messages each way per rank, all forwards before any backward")
+
+
+def _gp_values(where: str, got: dict, rank: int, world: int, tol: float) -> None:
+    import torch
+
+    rows, m = got["rows"], got["m"]
+    sizes = [len(p) for p in torch.arange(rows).tensor_split(m)]
+    if rank == world - 1:
+        loss = got["loss"]
+        if loss is None:
+            raise NotYet(f"{where}: the last rank returned None",
+                         "return the batch's mean loss (a float) on the last rank")
+        if abs(loss - got["ref_loss"]) > tol * 10:
+            hint = ("the batch's mean loss is the micro-batches' losses weighted by their rows: "
+                    "sum of loss_i * rows_i / rows")
+            if abs(loss - m * got["ref_loss"]) <= tol * 10 * m:
+                hint = "the micro-batch losses were summed unscaled: " + hint
+            raise NotYet(f"{where}: the last rank returned the loss {loss:.6g}; the whole "
+                         f"batch's is {got['ref_loss']:.6g}", hint)
+    for k, (g, w) in enumerate(zip(got["grads"], got["want"], strict=True)):
+        gap = float((g.double() - w.double()).abs().max())
+        if gap <= tol:
+            continue
+        if float((g.double() - m * w.double()).abs().max()) <= tol * m:
+            raise NotYet(f"{where}: stage {rank}'s gradients are {m}x the whole batch's",
+                         "each micro-batch's loss is part of the batch's mean: scale it by "
+                         "rows_i / rows before its backward (the m backwards add up in .grad)")
+        if len(set(sizes)) > 1:
+            raise NotYet(f"{where}: stage {rank}'s gradients differ from the whole batch's by "
+                         f"{gap:.2g} (micro-batches of {sizes} rows)",
+                         "with micro-batches of unequal rows, dividing each loss by m is not the "
+                         "batch's mean: scale micro-batch i's loss by rows_i / rows")
+        raise NotYet(f"{where}: stage {rank}'s gradients differ from the whole batch's by "
+                     f"{gap:.2g} (parameter {k})", "each stage's backward takes the gradient "
+                     "that rank r + 1 sent for that same micro-batch; receive in the order they "
+                     "were sent. " + _GP_ROUTE)
