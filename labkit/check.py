@@ -37,8 +37,8 @@ from pathlib import Path
 
 from . import profile
 
-__all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "solution", "progress",
-           "assert_passed",
+__all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "comparable", "solution",
+           "progress", "assert_passed", "learner_traceback", "judged",
            "in_band", "prediction", "EXERCISES", "PLACEHOLDER"]
 
 # The exercise cells as the learner finds them: functions that raise
@@ -318,6 +318,42 @@ def written(value, what: str = "the answer"):
         raise NotYet(f"{what} is not written yet (still `...`)",
                      f"replace the `...` of {what} in the marked cell, and run it")
     return value
+
+
+def comparable(got, want, what: str = "your result"):
+    """``got`` unless it cannot be compared with the reference ``want``; then a :class:`NotYet`.
+
+    Graders call it before comparing, so that an answer of the wrong kind (a list where a
+    tensor is expected, float64 for float32, another shape) is named as such, instead of the
+    comparison failing inside the check. ``want`` with a ``shape`` and a ``dtype`` (a tensor, an
+    array) asks for the same kind, dtype and shape; a number asks for a number.
+
+    Example::
+
+        >>> check.comparable([1.0, 2.0], torch.zeros(2), "my_ring(x)")
+        NotYet: my_ring(x) gave a list, where the check compares a tensor of shape (2,) ...
+    """
+    if hasattr(want, "shape") and hasattr(want, "dtype"):
+        kind = f"a {type(want).__name__} of shape {tuple(want.shape)} and dtype {want.dtype}"
+        if not (hasattr(got, "shape") and hasattr(got, "dtype")):
+            raise NotYet(f"{what} gave a {type(got).__name__}, where the check compares {kind}",
+                         f"return {kind}, as the task says")
+        if got.dtype != want.dtype:
+            raise NotYet(f"{what} has dtype {got.dtype}, where the check compares {want.dtype}",
+                         "keep the dtype of the input: a cast (a float literal, torch.tensor of "
+                         "a Python number, .float()) changes it")
+        if tuple(got.shape) != tuple(want.shape):
+            raise NotYet(f"{what} has shape {tuple(got.shape)}, where the check compares "
+                         f"{tuple(want.shape)}", "return the whole result, in the shape the task "
+                                                 "gives (not a slice, a flattened copy or a "
+                                                 "stacked list)")
+        return got
+    if isinstance(want, (int, float)) and not isinstance(want, bool):
+        if isinstance(got, bool) or not isinstance(got, (int, float)) and not (
+                hasattr(got, "item") and getattr(got, "shape", None) in ((), None)):
+            raise NotYet(f"{what} gave a {type(got).__name__}, where the check compares a number",
+                         "return a Python number (a one-element tensor's .item())")
+    return got
 
 
 def on_ranks(worker, *args, nproc: int = 2, timeout: float = 60.0, warm: bool = True,

@@ -473,3 +473,22 @@ def test_progress_counts_a_twin_on_its_own_and_shows_once(tmp_path, monkeypatch,
     assert capsys.readouterr().out == ""
     assert exercises.notebook_label("labkit.exercises.data_parallel_keras", "02") == "02 keras"
     assert exercises.notebook_label("labkit.exercises.composition.zero", "10") == "10"
+
+
+def test_comparable_names_an_answer_of_the_wrong_kind_before_any_comparison():
+    want = torch.zeros(2, 3)
+    assert check.comparable(torch.ones(2, 3), want) is not None
+    with pytest.raises(check.NotYet, match=r"my_ring\(x\) gave a list, where the check compares "
+                                           r"a Tensor of shape \(2, 3\) and dtype torch.float32"):
+        check.comparable([[1.0] * 3] * 2, want, "my_ring(x)")
+    with pytest.raises(check.NotYet, match="has dtype torch.float64, where the check compares "
+                                           "torch.float32") as wrong:
+        check.comparable(torch.ones(2, 3, dtype=torch.float64), want)
+    assert "keep the dtype of the input" in wrong.value.hint
+    with pytest.raises(check.NotYet, match=r"has shape \(6,\), where the check compares \(2, 3\)"):
+        check.comparable(torch.ones(6), want)
+    assert check.comparable(torch.tensor(0.5), 1.0) is not None and check.comparable(3, 1.0) == 3
+    with pytest.raises(check.NotYet, match="gave a str, where the check compares a number"):
+        check.comparable("0.5", 1.0)
+    with pytest.raises(check.NotYet, match="gave a Tensor, where the check compares a number"):
+        check.comparable(torch.ones(2), 1.0)
