@@ -8,7 +8,7 @@ from torch import nn
 from labkit import planner
 from labkit.parallel import compose, dryrun, memory, transformer
 
-MLP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}  # memory.block_stack: Linear, GELU, Linear
+MLP_PLAN = {"*.0": "colwise", "*.2": "rowwise"}  # memory.mlp_blocks: Linear, GELU, Linear
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +77,7 @@ def test_a_mixed_precision_model_holds_half_the_parameter_bytes():
 def test_uneven_shards_match_the_formula_checked_on_real_ranks(dp, tp, rank):
     # compose.fsdp_tp_bytes is notebook 10's formula for FSDP2 x TP, checked there on real ranks
     width, depth = 8, 2
-    r = dryrun.dry_run(lambda: memory.block_stack(depth, width), dp=dp, tp=tp, rank=rank,
+    r = dryrun.dry_run(lambda: memory.mlp_blocks(depth, width), dp=dp, tp=tp, rank=rank,
                        tp_plan=MLP_PLAN)
     want = compose.fsdp_tp_bytes(width, depth, dp, tp, dp_rank=rank // tp, optimizer="adam")
     for kind in ("params", "grads", "optimizer", "padding", "replicated_over_tp"):
@@ -97,13 +97,13 @@ def test_a_layout_that_does_not_divide_says_which_tp_would():
     with pytest.raises(dryrun.DryRunError, match="6 heads.*tp=4.*divides 6"):
         dryrun.dry_run(stack(1, 96, 6), dp=2, tp=4)
     with pytest.raises(dryrun.DryRunError, match="24 output features.*tp=5.*e.g. 2, 3, 4"):
-        dryrun.dry_run(lambda: memory.block_stack(1, 6), dp=2, tp=5, tp_plan=MLP_PLAN)
+        dryrun.dry_run(lambda: memory.mlp_blocks(1, 6), dp=2, tp=5, tp_plan=MLP_PLAN)
     with pytest.raises(dryrun.DryRunError, match="matches no nn.Linear"):
-        dryrun.dry_run(lambda: memory.block_stack(1, 8), dp=2, tp=2)
+        dryrun.dry_run(lambda: memory.mlp_blocks(1, 8), dp=2, tp=2)
     with pytest.raises(dryrun.DryRunError, match="'colwise' or 'rowwise'"):
-        dryrun.dry_run(lambda: memory.block_stack(1, 8), dp=2, tp=2, tp_plan={"*.0": "col"})
+        dryrun.dry_run(lambda: memory.mlp_blocks(1, 8), dp=2, tp=2, tp_plan={"*.0": "col"})
     with pytest.raises(dryrun.DryRunError, match="only nn.Linear"):
-        dryrun.dry_run(lambda: memory.block_stack(1, 8), dp=2, tp=2, tp_plan={"*": "colwise"})
+        dryrun.dry_run(lambda: memory.mlp_blocks(1, 8), dp=2, tp=2, tp_plan={"*": "colwise"})
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -134,7 +134,7 @@ def test_a_model_that_cannot_be_built_on_meta_gets_a_clear_message():
     with pytest.raises(dryrun.DryRunError, match="no parameters"):
         dryrun.dry_run(nn.GELU, dp=2)
     with pytest.raises(dryrun.DryRunError, match="a function that returns the model"):
-        dryrun.dry_run(memory.block_stack(1, 8), dp=2)
+        dryrun.dry_run(memory.mlp_blocks(1, 8), dp=2)
 
 
 def test_it_refuses_to_replace_a_running_process_group():
