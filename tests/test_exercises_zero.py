@@ -54,7 +54,8 @@ def test_zero2_step_wrong_all_reduce_instead_of_reduce_scatter():
         dist.all_gather_into_tensor(flat_params, update_shard(flat_params[mine], flat_grad[mine]))
 
     verdict = grader.zero2_step(all_reduce)
-    assert not verdict and "right parameters, but with an all-reduce" in verdict.detail
+    assert not verdict and "right parameters, but the gradient went through an all-reduce" \
+        in verdict.detail
     assert "every rank held the full averaged gradient" in verdict.hint
 
 
@@ -98,6 +99,41 @@ def test_zero2_step_wrong_forgot_the_all_gather():
     verdict = grader.zero2_step(no_gather)
     assert not verdict and "the ranks' parameters diverge" in verdict.detail
     assert verdict.hint.startswith("forgot the all-gather")
+
+
+def _ring_all_gather(flat, mine_index):
+    """Notebook 06's ring all-gather with isend/irecv: every rank's shard, in rank order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(flat.chunk(world))
+    for s in range(world - 1):
+        send, into = chunks[(mine_index - s) % world], chunks[(mine_index - s - 1) % world]
+        for work in (dist.isend(send, (rank + 1) % world), dist.irecv(into, (rank - 1) % world)):
+            work.wait()
+
+
+def test_zero2_step_gathered_by_an_isend_irecv_ring_passes():
+    def ring(flat_params, flat_grad, update_shard):
+        mine = _mine(flat_params)
+        flat_params[mine] = update_shard(flat_params[mine], _scatter(flat_grad))
+        _ring_all_gather(flat_params, dist.get_rank())
+
+    verdict = grader.zero2_step(ring)
+    assert verdict, verdict
+    assert "1,184 and 1,776 bytes" in verdict.detail
+
+
+def test_zero2_step_wrong_parameters_gathered_with_an_all_reduce():
+    def all_reduce_gather(flat_params, flat_grad, update_shard):
+        mine = _mine(flat_params)
+        new = update_shard(flat_params[mine], _scatter(flat_grad))
+        flat_params.zero_()
+        flat_params[mine] = new
+        dist.all_reduce(flat_params)  # the other shards are zero here: a sum gathers them
+
+    verdict = grader.zero2_step(all_reduce_gather)
+    assert not verdict and "right parameters, but gathered with an all-reduce" in verdict.detail
+    assert "1,184 bytes sent after update_shard, where an all-gather sends 592" in verdict.detail
+    assert "forgot the all-gather" not in verdict.hint and "twice" in verdict.hint
 
 
 def test_zero2_step_wrong_gathered_before_updating():

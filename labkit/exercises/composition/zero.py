@@ -147,11 +147,22 @@ def _update_mistake(where: str, u: dict, rank: int, world: int, shard: int) -> N
     return None
 
 
+def _phase_ops(calls, at: int) -> tuple[list[str], list[str]]:
+    """The ops before ``update_shard`` ran (the gradient's) and after (the parameters')."""
+    return [op for op, _ in calls[:at]], [op for op, _ in calls[at:]]
+
+
 def _step_mistake(where: str, s: dict, world: int, numel: int) -> NotYet | None:
-    """What is wrong with one step's communication and result on one rank, if anything."""
+    """What is wrong with one step's communication and result on one rank, if anything.
+
+    The result first, then the route: the gradient's half (before ``update_shard``) and the
+    parameters' half (after) each send (n-1)/n of the flat tensor, by collectives or by the
+    point-to-point ring of notebook 06 alike; an all-reduce in either half is named.
+    """
     ops = [op for op, _ in s["calls"]]
     right = s["param_diff"] <= _TOL
     at = s["updates"][0]["at"]
+    grad_ops, param_ops = _phase_ops(s["calls"], at)
     if "broadcast" in ops:
         if right:
             return NotYet(f"{where}: right parameters, sent with broadcasts ({ops})",
@@ -162,36 +173,51 @@ def _step_mistake(where: str, s: dict, world: int, numel: int) -> NotYet | None:
                       "a broadcast from rank 0 sends rank 0's flat_params, in which only its "
                       "own shard was updated; every rank must contribute its updated shard: "
                       "all_gather_into_tensor(flat_params, new_shard)")
-    if "all_gather" not in ops:
-        return NotYet(f"{where}: the ranks' parameters diverge (by up to {s['spread']:.2g} "
-                      f"from rank 0's): each updated only its own shard",
-                      "forgot the all-gather: after the update, all_gather_into_tensor("
-                      "flat_params, new_shard) gives every rank every updated shard")
-    if ops.index("all_gather") < at:
-        return NotYet(f"{where}: all-gathered (call {ops.index('all_gather') + 1}) before "
-                      f"update_shard ran (after call {at})",
-                      "all-gathered before updating: the gather spreads the OLD shards; "
-                      "update this rank's shard first, then all-gather the new one")
-    if s["unchanged"]:
-        return NotYet(f"{where}: flat_params was left as it was",
-                      "update flat_params in place: all_gather_into_tensor(flat_params, "
-                      "new_shard) writes into it (returning a new tensor does not count)")
     if not right:
+        if not param_ops and "all_gather" in grad_ops:
+            return NotYet(f"{where}: all-gathered (call {grad_ops.index('all_gather') + 1}) "
+                          f"before update_shard ran (after call {at})",
+                          "all-gathered before updating: the gather spreads the OLD shards; "
+                          "update this rank's shard first, then all-gather the new one")
+        if s["unchanged"]:
+            return NotYet(f"{where}: flat_params was left as it was",
+                          "update flat_params in place: all_gather_into_tensor(flat_params, "
+                          "new_shard) writes into it (returning a new tensor does not count)")
+        if not param_ops:
+            return NotYet(f"{where}: the ranks' parameters diverge (by up to "
+                          f"{s['spread']:.2g} from rank 0's): each updated only its own shard, "
+                          f"and nothing was sent after update_shard",
+                          "forgot the all-gather: after the update, all_gather_into_tensor("
+                          "flat_params, new_shard) gives every rank every updated shard")
         return NotYet(f"{where}: parameters off by {s['param_diff']:.2g} from data parallelism",
                       "the shards were right; check where the new shard goes: "
                       "all_gather_into_tensor(flat_params, new_shard) puts rank r's at "
                       "[r * shard, (r + 1) * shard)")
-    if "all_reduce" in ops:
-        return NotYet(f"{where}: right parameters, but with an all-reduce ({ops})",
+    if "all_reduce" in grad_ops:
+        return NotYet(f"{where}: right parameters, but the gradient went through an all-reduce "
+                      f"({ops})",
                       "right answer, but every rank held the full averaged gradient: that is "
                       "data parallelism, not ZeRO-2. reduce_scatter_tensor gives each rank only "
                       "its shard of the sum (half an all-reduce's traffic)")
-    want = 2 * (world - 1) * 4 * numel // world
-    if s["sent"] != want:
-        return NotYet(f"{where}: sent {s['sent']:,} bytes ({ops}); a reduce-scatter and an "
-                      f"all-gather of {numel} floats send {want:,}",
-                      "one reduce_scatter_tensor of flat_grad and one all_gather_into_tensor "
-                      "of the new shard: nothing more")
+    half = (world - 1) * 4 * numel // world  # a reduce-scatter's, or an all-gather's, bytes
+    if "all_reduce" in param_ops:
+        sent = sum(b for _, b in s["calls"][at:])
+        return NotYet(f"{where}: right parameters, but gathered with an all-reduce ({ops}): "
+                      f"{sent:,} bytes sent after update_shard, where an all-gather sends "
+                      f"{half:,}",
+                      "summing zero-padded shards with an all-reduce gives every rank every "
+                      "shard, at twice an all-gather's traffic: all_gather_into_tensor("
+                      "flat_params, new_shard) sends each shard once (a ring of isend/irecv as "
+                      "in notebook 06 does too)")
+    for phase, calls, what in (("before", s["calls"][:at], "a reduce-scatter of the gradient"),
+                               ("after", s["calls"][at:], "an all-gather of the parameters")):
+        sent = sum(b for _, b in calls)
+        if sent != half:
+            return NotYet(f"{where}: sent {sent:,} bytes {phase} update_shard "
+                          f"({[op for op, _ in calls]}); {what} of {numel} floats sends "
+                          f"{half:,}",
+                          "one reduce_scatter_tensor of flat_grad and one all_gather_into_tensor "
+                          "of the new shard (or the same by a ring of isend/irecv): nothing more")
     return None
 
 
@@ -238,9 +264,9 @@ def zero2_step(fn) -> str:
                     raise mistake
         sent[world] = ranks[0]["steps"][0]["sent"]
     return (f"equal to data parallelism for {_STEPS} steps on 2 and 4 gloo ranks, each rank "
-            f"updating only its shard; one reduce-scatter and one all-gather a step, "
-            f"{sent[2]:,} and {sent[4]:,} bytes sent per rank (the same as one all-reduce of "
-            f"the {numel} parameters)")
+            f"updating only its shard; a reduce-scatter's bytes before the update and an "
+            f"all-gather's after, {sent[2]:,} and {sent[4]:,} bytes sent per rank (the same as "
+            f"one all-reduce of the {numel} parameters)")
 
 
 # ==== challenge: ZeRO-3's gather-and-free, one layer as an autograd Function ==================
