@@ -492,3 +492,14 @@ def test_layouts_keep_one_zero_stage_where_nothing_is_sharded_and_respect_max_tp
     assert max(d.tp for d in found) == 8
     assert max(d.tp for d in planner.layouts(SEVEN_B, EIGHT, max_tp=2)) == 2
     assert len(found) == len({str(d) for d in found})
+
+
+def test_comm_bytes_as_shown_defines_its_symbols_in_comments(capsys):
+    # labkit.show prints code without its docstring: the comments must say what A, L, m, r,
+    # P and G are, where the notebook shows the formula.
+    from labkit import show
+
+    text = show(planner.comm_bytes)
+    comments = " ".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    for symbol in ("A:", "L:", "m:", "r:", "P:", "G:"):
+        assert symbol in comments, symbol

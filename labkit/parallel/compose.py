@@ -234,8 +234,15 @@ def fsdp_tp_model(model, mesh):
     )
 
     for block in model:  # block = Linear(w, 4w), GELU, Linear(4w, w): children "0", "1", "2"
+        # TP over the mesh's tp dimension: on each tp rank fc1 keeps 4w/tp of its output
+        # features, fc2 the same 4w/tp of its input features, so the GELU between them needs no
+        # communication; fc2's partial sums are all-reduced over the tp group.
         parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        # FSDP2 over the dp dimension shards those TP shards again, by rows (dim 0): a rank
+        # keeps about 1/(tp * dp) of each weight and all-gathers its block's tp shard over dp
+        # just before the block runs (and frees it after).
         fully_shard(block, mesh=mesh["dp"])
+    # The root: its own parameters (none here) and the hooks that start and end the step.
     return fully_shard(model, mesh=mesh["dp"])
 
 
@@ -521,6 +528,9 @@ def dp_pp_step(dp: int, pp: int, width: int = 16, depth: int = 4, batch: int = 1
 
     _check_dp_pp(dp, pp, width, depth, batch, microbatches, optimizer, schedule)
     device = collective_device()
+    # Ranks laid out as a dp x pp grid: rank r is stage r % pp of replica r // pp. mesh["pp"]
+    # groups one replica's stages (the pipeline's sends), mesh["dp"] one stage's replicas
+    # (the gradient all-reduce).
     mesh = mesh_2d(dp, pp, names=("dp", "pp"))
     coords, groups = _coords_and_groups(mesh)
     stage_index, replica = coords["pp"], coords["dp"]

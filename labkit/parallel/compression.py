@@ -48,13 +48,17 @@ def topk_compress(grad: torch.Tensor, k: int, residual: torch.Tensor | None = No
     if not 1 <= k <= grad.numel():
         raise ValueError(f"k must be between 1 and the gradient's {grad.numel()} entries, got "
                          f"{k}: use e.g. k = max(1, int(0.01 * numel)) for 1 %")
+    # Error feedback: what earlier steps did not send is added back, so a small gradient that
+    # is never in the top k still arrives eventually, once its sum has grown large enough.
     full = grad if residual is None else grad + residual
+    # Sorted indices: every rank's message is then (k indices, k values), the same sizes on
+    # every rank, which is what all_gather needs (its tensors must match in shape).
     idx = full.abs().topk(k, sorted=False).indices.sort().values
     values = full[idx]
     if residual is None:
         return idx, values, None
     left = full.clone()
-    left[idx] = 0
+    left[idx] = 0  # what was sent leaves the residual; the rest waits for the next step
     return idx, values, left
 
 

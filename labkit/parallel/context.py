@@ -65,6 +65,7 @@ def block_attention(q, k, v, mask=None):
         >>> out.shape, lse.shape
         (torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4]))
     """
+    # (..., sq, sk): one query chunk against one key chunk, never the whole s x s matrix.
     scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores.masked_fill(~mask, _NEG_INF)
@@ -281,7 +282,10 @@ def start_exchange(tensors, group=None, tag: int = 0):
         >>> k, v = finish_exchange(pending)      # rank - 1's k, v
     """
     n, rank = _ring_group(group)
+    # The ring: every rank sends to rank + 1 and receives from rank - 1 (global ranks: p2p
+    # ops address the world, not the group), so after t steps rank r holds rank r - t's chunk.
     right, left = _peer(group, (rank + 1) % n), _peer(group, (rank - 1) % n)
+    # Receive buffers shaped like what is sent: every rank's chunk has the same shape.
     recv = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, right, group, tag + i) for i, t in enumerate(tensors)]
     ops += [dist.P2POp(dist.irecv, r, left, group, tag + i) for i, r in enumerate(recv)]
@@ -366,6 +370,7 @@ def ring_forward(q, k, v, causal=False, order="contiguous", combine=None, group=
     """
     combine = _default_merge if combine is None else combine
     n, rank = _ring_group(group)
+    # q, k, v: (batch, heads, s/n, head_dim), this rank's tokens (two chunks under zigzag).
     size = q.shape[-2] // len(sequence_chunks(rank, n, order))  # tokens per chunk
     q_pieces = _pieces(q, rank, n, order, causal)
     q_ids = [c for c, _ in _local_chunks(rank, n, order, causal)]
@@ -394,6 +399,8 @@ def ring_forward(q, k, v, causal=False, order="contiguous", combine=None, group=
         _count(stats, "", blocks, scores, timer.seconds)
         if pending is not None:
             kv = tuple(finish_exchange(pending))
+    # Every key has been seen once: out (batch, heads, s/n, head_dim) equals this rank's rows of
+    # full attention; lse is kept for the backward ring.
     out = torch.cat([o for o, _ in acc], dim=-2)
     lse = torch.cat([lse for _, lse in acc], dim=-1)
     return out, lse

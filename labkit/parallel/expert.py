@@ -192,10 +192,14 @@ class MoE(nn.Module):
         self.aux_loss = None
 
     def forward(self, x):
-        tokens = _flat_tokens(x, self.hidden)
+        tokens = _flat_tokens(x, self.hidden)  # (T, hidden): every token of the batch, one row each
+        # probs (T, E) for the auxiliary loss; gate and expert_index (T, top_k): each token's
+        # chosen experts and the weights their outputs are mixed with.
         probs, gate, expert_index = route(self.router, tokens, self.top_k)
         flat = expert_index.reshape(-1)  # pair j is token j // top_k: token-major order
         capacity = expert_capacity(len(tokens), self.top_k, self.n_experts, self.capacity_factor)
+        # One row per (token, expert) pair: a token routed to top_k experts is computed top_k
+        # times, once by each.
         rows = tokens.repeat_interleave(self.top_k, dim=0)
         out, counts, dropped = apply_experts(self.experts, rows, flat, capacity)
         y = (out.view(-1, self.top_k, self.hidden) * gate.unsqueeze(-1)).sum(dim=1)
@@ -270,6 +274,9 @@ class AllToAllTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts, group):
+        # x: (sum(send_counts), hidden), grouped by destination rank; the result is
+        # (sum(recv_counts), hidden), grouped by source rank. Every rank must call it, even
+        # with nothing to send: an all-to-all is collective.
         ctx.counts, ctx.group = (send_counts, recv_counts), group
         return _exchange(x, send_counts, recv_counts, group)
 
@@ -366,20 +373,27 @@ class ExpertParallelMoE(nn.Module):
                          [self.per_rank + 1] * self.world, self.group).view(self.world, -1)
 
     def forward(self, x):
+        # x: this rank's tokens only (its data-parallel batch); the router is replicated, the
+        # experts are not: this rank holds experts first_expert .. first_expert + E/n - 1.
         tokens = _flat_tokens(x, self.hidden)
         probs, gate, expert_index = route(self.router, tokens, self.top_k)
         flat = expert_index.reshape(-1)
         per_expert = torch.bincount(flat, minlength=self.n_experts)
+        # order: the (token, expert) rows sorted by the rank that owns their expert;
+        # send_counts[r]: how many go to rank r (possibly 0).
         order, send_counts = _check_dispatch(
             *self.dispatch(flat, self.n_experts, self.world),
             per_expert.view(self.world, self.per_rank).sum(1).tolist(), len(flat), self.world)
 
+        # A first, small exchange of counts: a receiver cannot size its buffer otherwise, and
+        # the capacity is computed from every rank's tokens, as the single-process MoE does.
         incoming = self._exchange_counts(per_expert, len(tokens), tokens.device)
         from_rank = incoming[:, :self.per_rank]  # [s, i]: rows rank s sends to my expert i
         recv_counts = from_rank.sum(1).tolist()
         capacity = expert_capacity(int(incoming[:, -1].sum()), self.top_k, self.n_experts,
                                    self.capacity_factor)
 
+        # Dispatch: every row travels to the rank of its expert (all-to-all, uneven splits).
         rows = tokens.repeat_interleave(self.top_k, dim=0)[order]
         received = self._all_to_all(rows, send_counts, recv_counts)
         # Arrivals are grouped by sender, then by expert: sender-major order is the order of
@@ -390,8 +404,11 @@ class ExpertParallelMoE(nn.Module):
         if torch.is_grad_enabled() and not out.requires_grad and any(
                 p.requires_grad for p in self.parameters()):
             out.requires_grad_()  # nothing arrived here: still take part in the backward
+        # Combine: the reverse all-to-all (counts swapped) brings every result home, in the
+        # order the rows left in.
         back = self._all_to_all(out, recv_counts, send_counts)
 
+        # Undo the sort by owner: row j of `back` is row order[j] of the token-major rows.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), device=order.device)
         combined = back[inverse].view(-1, self.top_k, self.hidden)

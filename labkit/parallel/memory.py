@@ -89,9 +89,13 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int | None 
     if world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}: "
                          f"choose tp and pp whose product divides {world_size}")
+    # The ranks left over after tensor and pipeline splits hold copies: data parallelism.
     dp = world_size // (tp * pp)
     level = {"zero1": 1, "zero2": 2, "zero3": 3}.get(strategy, 0)  # how much ZeRO shards
+    # TP and PP split the model itself: each rank holds 1/(tp*pp) of every kind of state.
     per_rank = {key: n_params * b / (tp * pp) for key, b in bytes_per_param.items()}
+    # ZeRO splits what the dp copies would otherwise repeat, stage by stage: the optimizer
+    # state (ZeRO-1), then the gradients (2), then the parameters themselves (3, FSDP).
     per_rank["optimizer"] /= dp if level >= 1 else 1
     per_rank["grads"] /= dp if level >= 2 else 1
     per_rank["params"] /= dp if level >= 3 else 1
@@ -102,7 +106,8 @@ def estimate_memory(n_params, *, strategy: str, world_size: int, tp: int | None 
 def mlp_blocks(n_blocks: int = 8, width: int = 64, expansion: int = 4) -> nn.Sequential:
     """``n_blocks`` MLP blocks ``Linear(w, 4w) -> GELU -> Linear(4w, w)`` in an ``nn.Sequential``.
 
-    The model the memory experiments shard and checkpoint, one block at a time.
+    The model the memory experiments shard and checkpoint, one block at a time (the
+    transformer blocks of notebook 09 are :func:`labkit.parallel.transformer.block_stack`).
 
     Example::
 

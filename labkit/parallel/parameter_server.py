@@ -95,16 +95,20 @@ def serve_sync(weights, workers, steps, lr) -> dict:
 
 def serve_async(weights, workers, steps, lr) -> dict:
     """Apply each gradient as it arrives; send the new weights back to whoever sent it."""
+    # Runs on rank 0 only; every other rank is a worker that pulls weights and pushes gradients.
     version, staleness, pushed_by = 0, [], []
     left = dict.fromkeys(workers, steps)  # gradients still to come from each worker
+    # Every message carries one extra float: the version of the weights (how many updates
+    # they have had), so the server can tell how stale a gradient is when it arrives.
     pending = [dist.isend(torch.cat([weights, torch.tensor([0.0])]), dst=w) for w in workers]
     message = torch.empty(weights.numel() + 1)  # the gradient, then the version it was taken at
     for _ in range(steps * len(workers)):
         # src=None: receive from whichever worker is first. This is what makes it asynchronous.
         sender = dist.recv(message, src=None)
+        # Updates since the sender pulled its weights: 0 is what synchronous SGD always has.
         staleness.append(version - int(message[-1].item()))
         pushed_by.append(sender)
-        weights = weights - lr * message[:-1]
+        weights = weights - lr * message[:-1]  # a new tensor: the old one may still be sending
         version += 1
         left[sender] -= 1
         if left[sender]:

@@ -1,5 +1,8 @@
 """Pipeline parallelism, built by hand: stages, micro-batches, schedules and the bubble.
 
+One room past 800 lines on purpose: notebook 03's schedules, their simulation and their runs on
+real ranks check one another, and the lesson reads them in that order.
+
 A model too big for one device is cut into consecutive *stages*, one per rank. Run naively,
 only one rank works at a time. Cutting the batch into ``m`` micro-batches lets the ranks work on
 different micro-batches at once; what is left idle while the pipeline fills and drains is the
@@ -192,6 +195,8 @@ def gpipe_schedule(stages: int, m: int) -> list[list[tuple[str, int]]]:
         [[('F', 0), ('F', 1), ('B', 0), ('B', 1)], [('F', 0), ('F', 1), ('B', 0), ('B', 1)]]
     """
     _check_sizes(stages, m)
+    # Every stage runs the same list: the pipeline's shape comes from waiting, since stage s
+    # cannot start F i before stage s - 1 has sent it F i's activations.
     one_stage = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     return [list(one_stage) for _ in range(stages)]
 

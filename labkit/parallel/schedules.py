@@ -140,14 +140,18 @@ def zero_bubble(stages: int, m: int, chunks: int = 1) -> list[list[tuple[str, in
     p, m, v = _check_sizes(stages, m, chunks)
     if v > 1:
         _multiple_of_stages(p, m, "interleaved zero bubble")
-    total = m * v
+    total = m * v  # forwards (and backwards) per rank: m micro-batches through v chunks
     schedule = []
     for rank in range(p):
+        # 1F1B's warm-up: the forwards rank r runs before its first backward can arrive
+        # (fewer on later ranks: the last rank turns each forward straight into a backward).
         warmup = min((v - 1) * p + p - rank - 1, total)
         actions = [("F", *_forward_slot(k, p, v)) for k in range(warmup)]
         owed = []  # (chunk, micro) whose B ran and whose W is still to run, oldest first
 
         def backward(k, actions=actions, owed=owed, rank=rank):
+            # B computes only the input's gradient, which the stage before is waiting for;
+            # the weight gradient (W) waits, to fill an idle slot later.
             chunk, micro = _backward_slot(k, p, v)
             actions.append(("B", chunk, micro))
             owed.append((chunk, micro))
@@ -510,10 +514,10 @@ def schedule_timeline(name: str, stages: int, m: int, chunks: int = 1, f=1.0, b=
                       w=1.0) -> dict:
     """A named schedule, simulated: its timeline, its bubble and the formula's, what it holds.
 
-    The function under :func:`schedule_explorer`. Returns ``{"name", "stages", "m", "chunks",
-    "schedule", "events", "bubble" (idle / step), "formula" (the same from the closed form, or
-    None), "idle_per_compute", "formula_per_compute", "peak_in_flight" (per rank, in stages),
-    "messages"}``.
+    The function under :func:`labkit.explorers.schedule_explorer`. Returns ``{"name",
+    "stages", "m", "chunks", "schedule", "events", "bubble" (idle / step), "formula" (the same
+    from the closed form, or None), "idle_per_compute", "formula_per_compute", "peak_in_flight"
+    (per rank, in stages), "messages"}``.
 
     Example::
 
@@ -586,15 +590,18 @@ def run_schedule(stage_module_fn, schedule, m: int, batch, chunks: int = 1, *,
     if any(kind == "W" for kind, _, _ in actions):
         raise ValueError("run_schedule runs F and full B actions only: run zero-bubble schedules "
                          "with pipelined_step('zero bubble', ...), whose backward is split")
-    n = p * v
+    n = p * v  # virtual stages: chunk c of rank r is stage c * p + r (Megatron's placement)
     x, y = batch
     xs, ys = pipeline.micro_batches(x.to(device), m), pipeline.micro_batches(y.to(device), m)
     shapes = _shapes(stage_module_fn, n, xs[0])
+    # This rank's v chunks: stages r, r + p, r + 2p, ... far apart in the model, so a
+    # micro-batch visits every rank v times on its way through.
     modules = [stage_module_fn(c * p + rank, n).to(device) for c in range(v)]
     before, after = (rank - 1) % p, (rank + 1) % p  # chunk rounds wrap: p - 1 feeds rank 0
+    # Keyed by (chunk, micro-batch): several chunks of one rank hold activations at once.
     inputs, outputs, losses, sends = {}, {}, [], []
     for kind, c, i in actions:
-        k = c * p + rank
+        k = c * p + rank  # the virtual stage this action runs
         if kind == "F":
             if k == 0:
                 h = xs[i]

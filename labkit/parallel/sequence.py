@@ -194,17 +194,23 @@ class GatheredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
+        # x: this rank's (seq/t, batch, in) shard; weight: its column slice, (out/t, in).
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.save_for_backward(x, weight)  # the shard, not the gathered tensor: t times smaller
+        # -> (seq, batch, out/t): every token, this rank's output features.
         return F.linear(_all_gather_seq(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
+        # grad: (seq, batch, out/t), the gradient of this rank's output features, every token.
         x, weight = ctx.saved_tensors
         full = _all_gather_seq(x, ctx.group)  # again: the price of keeping only the shard
-        grad_in = grad @ weight  # dL/d(gathered input), this rank's share of it
+        grad_in = grad @ weight  # (seq, batch, in): this rank's share of dL/d(gathered input)
+        # The weight gradient needs every token's input: (out/t, in), this rank's slice only,
+        # so no communication for it (the ranks' slices are different weights).
         grad_w = grad.flatten(0, -2).t() @ full.flatten(0, -2)
         grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        # Each rank's share covers every token: sum the shares, keep this rank's seq/t rows.
         return _reduce_scatter_seq(grad_in, ctx.group), grad_w, grad_b, None
 
 
@@ -286,6 +292,8 @@ class TPBlock(_ShardedBlock):
     """
 
     def forward(self, x):
+        # x: (seq, batch, hidden), the same on every rank; each rank holds heads/t heads of
+        # qkv and proj, and ffn/t features of fc1 and fc2.
         g = self.group
         h = copy_to_tp(self.ln1(x), g)                      # f: all-reduce of dL/dh backward
         a = F.linear(self._attention(self.qkv(h)), self.proj.weight)  # a partial sum
@@ -329,9 +337,16 @@ class SPBlock(_ShardedBlock):
         return linear(gather_sequence(h, self.group))   # saves the gathered input
 
     def forward(self, x):
+        # x: (seq/t, batch, hidden), this rank's tokens (rank r holds rows r*seq/t onwards).
         g, full_seq = self.group, x.shape[0] * self.tp
+        # Dropout draws its mask for the whole sequence and keeps these rows, so that the
+        # t shards together drop exactly what the dense block would.
         rows = dict(start=self.rank * x.shape[0], full_seq=full_seq)  # my tokens' dropout rows
+        # LayerNorm on the shard (it normalises each token alone); all-gather the tokens for
+        # attention, which needs every token: (seq, batch, 3 * hidden/t) from QKV.
         a = F.linear(self._attention(self._gathered(self.ln1(x), self.qkv)), self.proj.weight)
+        # a: (seq, batch, hidden), a partial sum. Reduce-scatter sums it and hands each rank
+        # its seq/t rows: the same bytes as TP's all-reduce, a t-th of the result kept.
         x = x + self.drop1(reduce_scatter_sequence(a, g) + self.proj.bias, **rows)
         m = F.linear(F.gelu(self._gathered(self.ln2(x), self.fc1)), self.fc2.weight)
         return x + self.drop2(reduce_scatter_sequence(m, g) + self.fc2.bias, **rows)
@@ -371,10 +386,13 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group=None) -> int:
         >>> allreduce_sequence_parallel_grads(block)   # now every rank has the dense gradients
         6
     """
+    # These weights are replicated on every TP rank, but each rank's backward saw only its
+    # own seq/t tokens: its gradient is a partial sum, and the ranks' sum is the dense one.
     grads = [p.grad for m in model.modules() if isinstance(m, SPBlock)
              for name, p in m.named_parameters() if name in SPBlock.SEQUENCE_PARALLEL
              and p.grad is not None]
     if grads and _degree(group)[0] > 1:
+        # One flat buffer, one all-reduce: six small tensors would pay six latencies.
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
         for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):

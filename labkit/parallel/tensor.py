@@ -239,13 +239,19 @@ class ColumnParallelLinear(nn.Module):
                  gather_output=False, device=None, dtype=None):
         super().__init__()
         self.tp, self.rank = _degree_and_rank(tp, group)
+        # part = out_features / tp: the output features (weight rows) this rank computes.
         self.part = check_split(out_features, self.tp, "out_features")
         self.group, self.gather_output = group, gather_output
         self.in_features, self.out_features = in_features, out_features
+        # Draw the whole dense layer, then keep a slice: with one seed on every rank the
+        # slices fit together into exactly the nn.Linear a single process would build.
         self._take_slices(nn.Linear(in_features, out_features, bias=bias, device=device,
                                     dtype=dtype))
 
     def _take_slices(self, dense):
+        # nn.Linear's weight is (out, in): a column split of W^T is a row split of weight.
+        # Rank r keeps rows [r * part, (r + 1) * part) of the weight, (part, in), and the same
+        # slice of the bias: each output feature's bias lives with the rank computing it.
         rows = slice(self.rank * self.part, (self.rank + 1) * self.part)
         self.weight = nn.Parameter(dense.weight.detach()[rows].clone())
         bias = None if dense.bias is None else nn.Parameter(dense.bias.detach()[rows].clone())
@@ -261,8 +267,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         _check_group(self)
+        # x: (..., in_features), the same full input on every rank.
         x = copy_to_tp(x, self.group)            # f: identity now, all-reduce of dL/dx later
-        y = F.linear(x, self.weight, self.bias)  # this rank's out_features / tp outputs
+        y = F.linear(x, self.weight, self.bias)  # (..., out/tp): this rank's output features
+        # Usually the slice goes straight into a RowParallelLinear (no communication here);
+        # gather_output all-gathers the slices into the full (..., out_features) on every rank.
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self):
@@ -289,6 +298,7 @@ class RowParallelLinear(nn.Module):
                  input_is_parallel=True, device=None, dtype=None):
         super().__init__()
         self.tp, self.rank = _degree_and_rank(tp, group)
+        # part = in_features / tp: the input features (weight columns) this rank multiplies.
         self.part = check_split(in_features, self.tp, "in_features")
         self.group, self.input_is_parallel = group, input_is_parallel
         self.in_features, self.out_features = in_features, out_features
@@ -296,6 +306,8 @@ class RowParallelLinear(nn.Module):
                                     dtype=dtype))
 
     def _take_slices(self, dense):
+        # Rank r keeps columns [r * part, (r + 1) * part) of the (out, in) weight: (out, part).
+        # The bias is not split: every rank holds all of it and adds it once, after the sum.
         cols = slice(self.rank * self.part, (self.rank + 1) * self.part)
         self.weight = nn.Parameter(dense.weight.detach()[:, cols].clone())
         bias = None if dense.bias is None else nn.Parameter(dense.bias.detach().clone())
@@ -311,8 +323,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         _check_group(self)
+        # x: (..., in/tp), this rank's slice of the features, as a column layer hands it over;
+        # a full (..., in_features) input is sliced here (its gradient all-gathered back).
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)
+        # (..., out_features) on every rank, but each holds only a partial sum: its in/tp
+        # features' contribution to every output.
         partial = F.linear(x, self.weight)       # this rank's share of every output
         y = reduce_from_tp(partial, self.group)  # g: the sum over ranks, the dense x W^T
         return y if self.bias is None else y + self.bias

@@ -209,7 +209,11 @@ class Block(nn.Module):
         self.drop2 = SlicedDropout(dropout, seeds[1])
 
     def forward(self, x):
+        # x: (seq, batch, hidden). q, k, v: (batch, heads, seq, hidden/heads) after the split.
+        # Pre-norm: LayerNorm before each sublayer, the residual added around it.
         q, k, v = split_heads(self.qkv(self.ln1(x)), self.heads)
+        # Attention mixes tokens (the only place they meet: what SP and CP must communicate);
+        # everything else works on each token alone.
         x = x + self.drop1(self.proj(merge_heads(attention(q, k, v, self.causal))))
         return x + self.drop2(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
 

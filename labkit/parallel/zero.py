@@ -94,6 +94,9 @@ class FlatParams:
             bucket_numel = whole(bucket_numel, "bucket_numel")
         self.world, self.params = world, params
         self.numel = sum(p.numel() for p in params)
+        # Buckets in reverse model order, each padded to a multiple of world so that it splits
+        # into world equal shards: rank r owns elements [r * numel/world, (r+1) * numel/world)
+        # of every bucket, and updates only those.
         self.buckets: list[_Bucket] = []
         group: list = []
         for p in reversed(params):  # backward produces the last layer's gradients first
@@ -105,12 +108,16 @@ class FlatParams:
                 group = []
         self.padded = sum(b.numel for b in self.buckets)
         self.shard_numel = self.padded // world
+        # One flat buffer holds every parameter (every rank keeps all of them: ZeRO-1/2 shard
+        # the optimizer state and the gradients, not the weights); the padding stays zero.
         self.flat = torch.zeros(self.padded, dtype=params[0].dtype, device=params[0].device)
         self.offset = {}  # id(param) -> where it starts in the flat buffer
         for b in self.buckets:
             at = b.start
             for p in b.params:
                 self.flat[at:at + p.numel()].copy_(p.detach().reshape(-1))
+                # The model's parameter becomes a view of the buffer: an all-gather into the
+                # buffer updates the model's weights with no copy.
                 p.data = self.flat[at:at + p.numel()].view_as(p)
                 self.offset[id(p)] = at
                 at += p.numel()
@@ -167,6 +174,7 @@ def adam_update(param, grad, exp_avg, exp_avg_sq, step: int, *, lr: float = 1e-3
         >>> adam_update(p, g, m, v, step=1)      # p, g, m, v: tensors of one shape
     """
     beta1, beta2 = betas
+    # Every line is elementwise: on a shard it computes exactly that shard of the full update.
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr / (1 - beta1 ** step)
@@ -261,6 +269,8 @@ class ZeroOptimizer:
 
     def reduce_when_ready(self, p) -> None:
         """ZeRO-2's hook: bank ``p``'s gradient in its bucket; reduce-scatter a full bucket."""
+        # Called by autograd once p's gradient is accumulated, in backward order: the last
+        # layers' buckets fill (and leave) first, while earlier layers still compute.
         b = self._bucket_of[id(p)]
         if b.staging is None:  # the bucket's first gradient: allocate it (padding stays zero)
             b.staging = torch.zeros(b.numel, dtype=p.dtype, device=p.device)
@@ -276,6 +286,8 @@ class ZeroOptimizer:
             # Every rank reaches this bucket in the same order (the same graph), so the
             # collectives match up; each gets the SUM of its slice over the ranks.
             reduce_scatter_into(mine, b.staging, group=self.group)
+            # SUM / world: the mean gradient, as DDP's. add_, not copy_: gradients accumulate
+            # over micro-batches until zero_grad.
             self.flat.in_shard(self.grad_shard, b).add_(mine.div_(self.world))
             b.staging, b.pending = None, len(b.params)
 
@@ -289,6 +301,8 @@ class ZeroOptimizer:
         flat = self.flat
         self.steps += 1
         if self.stage == 1:
+            # ZeRO-1: every rank holds the full local gradient until now; zero_step
+            # reduce-scatters it, updates this rank's shard, all-gathers the parameters.
             for p in flat.params:  # model.zero_grad() sets p.grad to None: back into the view
                 view = flat.view(self.flat_grad, p)
                 if p.grad is None:
