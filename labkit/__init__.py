@@ -11,7 +11,7 @@ notebook's code lives in the rooms named for its topic:
 - 00 environment check: ``doctor`` (facts and checks), ``bench`` (the first all-reduce, its
   sweep and the alpha-beta fit), ``plots``.
 - 01 VGG16 and augmentation (and its Keras twin): ``data``, ``augment``, ``models``, ``train``,
-  ``check`` (the graded exercises), ``plots``.
+  ``check`` (the graded exercises), ``plots``, ``explorers`` (the augmentation explorer).
 - 02 data parallelism (and its Keras twin): ``ddp`` (batch arithmetic, rank-0 checkpoints,
   the scaling sweep and its prediction, gradient buckets, the all-reduce counter), ``bench``
   (the link's alpha and beta), ``train``, ``data``, ``models``, ``plots``.
@@ -32,7 +32,15 @@ notebook's code lives in the rooms named for its topic:
   bytes each rank sends, counted), ``plots``.
 - 10 composing parallelisms: ``parallel.compose`` (2-D meshes), ``parallel.schedules``
   (interleaved and zero-bubble pipelines), ``parallel.zero`` (ZeRO-1/2 by hand), ``planner``
-  (memory and communication predicted for any DP/TP/PP/CP/EP layout), ``plots``.
+  (memory and communication predicted for any DP/TP/PP/CP/EP layout; a package: ``describe``,
+  ``memory``, ``communication``, ``search``, ``published``), ``parallel.traffic.step_traffic``
+  (the bytes a real DDP or FSDP2 step sends, beside the planner's), ``explorers`` (the schedule
+  and planner explorers), ``plots``.
+
+``plots`` is a package with one module per notebook or concern (``plots.training``,
+``plots.sequence``, ...); every figure is also ``labkit.plots.<name>``. ``cli`` is the command
+line (``python -m labkit bench`` calls ``bench``, ``ddp`` and ``perf``, which never call each
+other back).
 
 Private modules with public names hold what several rooms share: ``_dist`` (the device a
 collective needs, barriers, the slowest rank's time, timed training steps), ``_sizes`` (the

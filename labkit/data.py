@@ -1,5 +1,8 @@
 """Datasets for the notebooks: bundled, generated, the learner's own, and torchvision's when online.
 
+One room past 800 lines on purpose: every source of images hands back the same ``ImageSet``
+through one set of checks and converters, which a split would have to share again.
+
 Every loader returns an :class:`ImageSet` (uint8 images N x H x W x 3, int64 labels, class
 names), so a notebook treats all of them alike and hands them to PyTorch with
 :func:`to_torch` or to Keras with :func:`to_numpy_float`.

@@ -1,5 +1,8 @@
 """Faults of distributed training, reproduced on purpose, and the tools that diagnose them.
 
+One room past 800 lines on purpose: each fault of notebook 05 is reproduced, detected and fixed
+by functions that must agree with one another, and the notebook reads them side by side.
+
 Notebook 05 runs each fault the way it happens in real code, shows how it fails, and fixes
 it. Two kinds of functions live here:
 

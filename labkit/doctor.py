@@ -1,5 +1,8 @@
 """Is this machine ready for distributed training? Facts as plain data, checks with a fix each.
 
+One room past 800 lines on purpose: every fact about the machine feeds one report, and each
+check reads the facts of the sections before it.
+
 ``run_doctor()`` gathers facts section by section (system, python, torch, p2p, tensorflow, shm,
 memlock, env, jupyter, network, profile) and judges them with checks whose verdict is
 ``pass``, ``warn`` or ``fail``; every warning and failure carries a one-line fix.

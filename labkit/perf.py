@@ -1,5 +1,9 @@
 """Performance tuning, the code of notebook 04: each technique measured before and after.
 
+One room past 800 lines on purpose: notebook 04's techniques share one rule (each timed beside
+its own baseline, under the same load) and one results table; split by technique, each part
+would repeat them.
+
 One small function per technique. Single-process techniques (mixed precision, channels_last,
 ``torch.compile``) time a training step with the shared step timer (warm-up, device
 synchronised before the clock stops), repeated with the variants' order alternated, and keep
