@@ -89,6 +89,46 @@ def test_first_allreduce_wrong_answers_get_their_hint(answer, said):
     assert said in verdict.hint, verdict
 
 
+def gathered_and_added(x):
+    """Right values, another route: every rank's x gathered, then added up."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return torch.stack(parts).sum(0)
+
+
+def summed_twice_then_halved(x):
+    """Right values, another route: errors that cancel (a sum of sums, divided)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(x)
+    dist.all_reduce(x)
+    return x / dist.get_world_size()
+
+
+def test_first_allreduce_wrong_route_with_right_values():
+    verdict = environment.first_allreduce(gathered_and_added)
+    assert not verdict and "the right sum, but through ['all_gather']" in verdict.detail
+    assert "dist.all_reduce(x), one call" in verdict.hint
+    verdict = environment.first_allreduce(summed_twice_then_halved)
+    assert not verdict and "with 2 all_reduce calls" in verdict.detail
+
+
+def test_first_allreduce_written_another_way_passes():
+    def out_of_place(x):
+        import torch.distributed as dist
+
+        y = x.clone()  # all-reduce a copy, return the copy
+        work = dist.all_reduce(y, op=dist.ReduceOp.SUM, async_op=True)
+        work.wait()
+        return y
+
+    verdict = environment.first_allreduce(out_of_place)
+    assert verdict and "on 4 ranks" in verdict.detail
+
+
 def test_first_allreduce_wrong_collective_on_one_rank_is_a_hang_with_a_hint(monkeypatch):
     monkeypatch.setattr(environment, "on_ranks", _quick(environment.on_ranks))
     verdict = environment.first_allreduce(only_rank_0_calls)

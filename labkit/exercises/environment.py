@@ -23,12 +23,16 @@ def _contribution(rank: int) -> list[float]:
 
 
 def _allreduce_worker(fn) -> dict:
-    """On each rank: call ``fn(x)`` with this rank's tensor; what came back, and ``x`` after."""
+    """On each rank: call ``fn(x)`` with this rank's tensor; what came back, ``x`` after, and
+    the calls it made (kind, tensor bytes), counted by :mod:`labkit.parallel.traffic`."""
     import torch
     import torch.distributed as dist
 
+    from ..parallel.traffic import count_traffic
+
     x = torch.tensor(_contribution(dist.get_rank()))
-    out = fn(x)
+    with count_traffic() as sent:
+        out = fn(x)
     kind = type(out).__name__
     if isinstance(out, torch.Tensor):
         out = out.detach().cpu().reshape(-1).tolist()
@@ -36,7 +40,8 @@ def _allreduce_worker(fn) -> dict:
         out = [float(out)]
     else:  # None (all_reduce returns None), a Work handle (async_op=True), ...
         out = None
-    return {"out": out, "kind": kind, "x_after": x.tolist()}
+    return {"out": out, "kind": kind, "x_after": x.tolist(),
+            "calls": [(c.op, c.payload_bytes) for c in sent.calls]}
 
 
 def _close(a, b) -> bool:
@@ -49,15 +54,25 @@ def first_allreduce(fn) -> str:
     """Exercise: ``fn(x)`` all-reduces this rank's tensor ``x`` and returns the sum, on every rank.
 
     Graded on two real ranks (gloo): rank 0 passes ``[1, 4]``, rank 1 ``[2, -1]``; both must
-    return ``[3, 3]``.
+    return ``[3, 3]``; then on four (ranks 2 and 3 pass ``[3, -6]`` and ``[4, -11]``). The route
+    too: one ``all_reduce`` of ``x`` on every rank, nothing else sent.
 
     Example::
 
         >>> exercise.first_allreduce(my_allreduce)
         [pass] first all-reduce: both ranks returned [3.0, 3.0], the sum of [1.0, 4.0] and ...
     """
-    results = on_ranks(_allreduce_worker, fn, timeout=30)
-    xs = [_contribution(r) for r in range(len(results))]
+    for world in (2, 4):
+        _judge_allreduce(on_ranks(_allreduce_worker, fn, nproc=world, timeout=30))
+    return ("on 2 ranks both returned [3.0, 3.0], the sum of [1.0, 4.0] and [2.0, -1.0]; on 4 "
+            "ranks every rank returned the sum too, each with one all_reduce of x: all_reduce "
+            "gave every rank the same total")
+
+
+def _judge_allreduce(results: list[dict]) -> None:
+    """Raise NotYet unless every rank returned the sum, reached by one all_reduce of x."""
+    world = len(results)
+    xs = [_contribution(r) for r in range(world)]
     total = [sum(col) for col in zip(*xs, strict=True)]
     outs = [r["out"] for r in results]
     if all(o is None for o in outs):
@@ -70,9 +85,11 @@ def first_allreduce(fn) -> str:
                 if kind == "Work" else "return the tensor that you all-reduced")
         raise NotYet(f"the function returned {kind}, not a tensor", hint)
     if all(_close(o, total) for o in outs):
-        return (f"both ranks returned {outs[0]}, the sum of {xs[0]} and {xs[1]}: all_reduce "
-                f"gave every rank the same total")
-    said = f"rank 0 returned {outs[0]}, rank 1 {outs[1]}; the sum is {total} on both"
+        _route_mistake(results, world)
+        return
+    said = (f"rank 0 returned {outs[0]}, rank 1 {outs[1]}; the sum is {total} on both"
+            if world == 2 else f"on {world} ranks the ranks returned {outs}; the sum is {total} "
+                               f"on every one")
     columns = list(zip(*xs, strict=True))
     wrong = [  # what a typical mistake leaves on every rank, and what to do instead
         (lambda r: xs[r], "each rank kept its own value: no all-reduce happened (or it reduced "
@@ -98,6 +115,25 @@ def first_allreduce(fn) -> str:
                            "one rank, dist.all_reduce(x) to every rank")
     raise NotYet(said, "each rank must return its own tensor x after dist.all_reduce(x): the "
                        "element-wise sum over the ranks")
+
+
+def _route_mistake(results: list[dict], world: int) -> None:
+    """The sum is right: was it one all_reduce of x on every rank, and nothing else?"""
+    for rank, got in enumerate(results):
+        ops = [op for op, _ in got["calls"]]
+        if ops == ["all_reduce"] and got["calls"][0][1] == 8:  # x: 2 float32 entries
+            continue
+        where = f"on {world} ranks, rank {rank}"
+        if ops and set(ops) == {"all_reduce"}:
+            raise NotYet(f"{where}: the right sum, with {len(ops)} all_reduce calls "
+                         f"(of {[b for _, b in got['calls']]} bytes)",
+                         "one dist.all_reduce(x) gives every rank the sum; more calls send the "
+                         "data again (errors that cancel, like summing twice and dividing, "
+                         "still cost the traffic)")
+        raise NotYet(f"{where}: the right sum, but through {ops or 'no collective'}",
+                     "this exercise is the all-reduce itself: dist.all_reduce(x), one call "
+                     "that leaves the sum in x on every rank (gathering every rank's x and "
+                     "adding sends each tensor to every rank, n - 1 times more per rank)")
 
 
 # ---- busbw_from_algbw: nccl-tests' bus bandwidth ---------------------------------------------
