@@ -264,7 +264,7 @@ def test_average_gradients_wrong_sum_not_mean():
             dist.all_reduce(p.grad)
 
     verdict = exercise.average_gradients(summed)
-    assert not verdict and "2x the whole batch's gradient" in verdict.detail
+    assert not verdict and "2x the whole batch's gradient" in verdict.detail  # caught on 2
     assert "divide by dist.get_world_size()" in verdict.hint
 
 
@@ -295,6 +295,45 @@ def test_average_gradients_wrong_grads_set_to_none():
 
     verdict = exercise.average_gradients(dropped)
     assert not verdict and "no .grad" in verdict.detail
+
+
+def test_average_gradients_wrong_route_summed_twice_with_right_values():
+    def twice(model):
+        world = dist.get_world_size()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            dist.all_reduce(p.grad)  # world x the sum ...
+            p.grad /= world * world  # ... divided back: the right numbers
+
+    verdict = exercise.average_gradients(twice)
+    assert not verdict and "the right gradients, but 424 bytes all-reduced for 212" \
+        in verdict.detail
+    assert "summing twice" in verdict.hint
+
+
+def test_average_gradients_wrong_route_gathered_with_right_values():
+    def gathered(model):
+        world = dist.get_world_size()
+        for p in model.parameters():
+            parts = [torch.empty_like(p.grad) for _ in range(world)]
+            dist.all_gather(parts, p.grad)
+            p.grad.copy_(torch.stack(parts).mean(0))
+
+    verdict = exercise.average_gradients(gathered)
+    assert not verdict and "the right gradients, but through ['all_gather']" in verdict.detail
+
+
+def test_average_gradients_written_another_way_passes():
+    def flat(model):  # one flat all-reduce, the mean taken with ReduceOp.AVG's equal: a divide
+        grads = [p.grad for p in model.parameters()]
+        buffer = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(buffer)
+        buffer /= dist.get_world_size()
+        for g, part in zip(grads, buffer.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+
+    verdict = exercise.average_gradients(flat)
+    assert verdict and "on 2 and 4 ranks" in verdict.detail
 
 
 # ---- scaled_lr_warmup -------------------------------------------------------------------------

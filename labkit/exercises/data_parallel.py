@@ -398,15 +398,19 @@ def _grads_on_rank(fn) -> dict:
         nn.functional.cross_entropy(model(xs), ys).backward()
         return model
 
+    from ..parallel.traffic import count_traffic
+
     reference = _flat(model_and_grads(x, y), grad=True)  # one process, the whole batch
     model = model_and_grads(x[rank::world], y[rank::world])  # this rank's share
     local = _flat(model, grad=True)
-    fn(model)
+    with count_traffic() as sent:
+        fn(model)
     grads = [p.grad for p in model.parameters()]
     after = None if any(g is None for g in grads) else _flat(model, grad=True)
     return {"reference": reference, "local": local, "after": after,
             "sizes": [p.numel() for p in model.parameters()],
-            "names": [name for name, _ in model.named_parameters()]}
+            "names": [name for name, _ in model.named_parameters()],
+            "calls": [(c.op, c.payload_bytes) for c in sent.calls]}
 
 
 def _parts(out: dict):
@@ -421,22 +425,30 @@ def _parts(out: dict):
 def average_gradients(fn) -> str:
     """Exercise: ``fn(model)`` makes every ``p.grad`` the mean over the ranks, as DDP does.
 
-    Run on 2 ranks, each after a backward pass on its half of one batch: afterwards every
-    rank's gradients must equal one process's gradient over the whole batch.
+    Run on 2, then 4 ranks, each after a backward pass on its share of one batch: afterwards
+    every rank's gradients must equal one process's gradient over the whole batch, reached by
+    all-reducing each gradient once (the bytes all-reduced are counted).
 
     Example::
 
         >>> exercise.average_gradients(my_average_gradients)
         [pass] average the gradients by hand: both ranks hold the whole batch's gradient ...
     """
-    ranks = on_ranks(_grads_on_rank, fn)
+    for world in (2, 4):
+        _judge_averaged(on_ranks(_grads_on_rank, fn, nproc=world))
+    return ("on 2 and 4 ranks every rank holds the whole batch's gradient, as one process "
+            "computes it, with each gradient all-reduced once")
+
+
+def _judge_averaged(ranks: list[dict]) -> None:
+    """Raise NotYet unless every rank holds the whole batch's gradient, all-reduced once."""
     world, first = len(ranks), ranks[0]
     if any(r["after"] is None for r in ranks):
         raise NotYet("a parameter had no .grad after your function",
                      "average p.grad in place (dist.all_reduce(p.grad), then divide); do not "
                      "set it to None")
     differ = [name for name, part in _parts(first)
-              if _gap(ranks[0]["after"][part], ranks[1]["after"][part]) > 1e-6]
+              if max(_gap(ranks[0]["after"][part], r["after"][part]) for r in ranks) > 1e-6]
     if differ:
         kept = all(_gap(r["after"], r["local"]) < 1e-9 for r in ranks)
         raise NotYet("the ranks hold different gradients afterwards: " +
@@ -445,8 +457,8 @@ def average_gradients(fn) -> str:
                      "model.parameters()), on every rank, in the same order")
     after, ref = first["after"], first["reference"]
     if _gap(after, ref) < 1e-6:
-        return (f"both ranks hold the whole batch's gradient ({len(first['sizes'])} parameters, "
-                f"{world} ranks), as one process computes it")
+        _averaging_route(ranks)
+        return
     if _gap(after, world * ref) < 1e-6:
         raise NotYet(f"the gradients are {world}x the whole batch's gradient",
                      "all_reduce sums: divide by dist.get_world_size() to average")
@@ -456,6 +468,24 @@ def average_gradients(fn) -> str:
                          "every parameter: dist.all_reduce(p.grad), then p.grad /= world size")
     raise NotYet("the gradients are not the whole batch's mean gradient",
                  "for each parameter: dist.all_reduce(p.grad); p.grad /= world size")
+
+
+def _averaging_route(ranks: list[dict]) -> None:
+    """The values are right: was every gradient all-reduced exactly once, and nothing else?"""
+    world, grad_bytes = len(ranks), 4 * sum(ranks[0]["sizes"])  # float32 gradients
+    for rank, got in enumerate(ranks):
+        ops = sorted({op for op, _ in got["calls"]})
+        reduced = sum(b for op, b in got["calls"] if op == "all_reduce")
+        where = f"on {world} ranks, rank {rank}"
+        if ops != ["all_reduce"]:
+            raise NotYet(f"{where}: the right gradients, but through {ops or 'no collective'}",
+                         "average with all_reduce: dist.all_reduce(p.grad) sums in place on "
+                         "every rank (what DDP does), then divide by the world size")
+        if reduced != grad_bytes:
+            raise NotYet(f"{where}: the right gradients, but {reduced:,} bytes all-reduced for "
+                         f"{grad_bytes:,} bytes of gradients ({len(got['calls'])} calls)",
+                         "all-reduce each gradient once: summing twice and dividing by the "
+                         "world size twice gives the same numbers at twice the traffic")
 
 
 # ---- the large-batch learning rate: linear scaling with warm-up -----------------------------
