@@ -38,3 +38,17 @@ def accumulation_step(model, opt, micro_batches):
     x, y = micro_batches[-1]
     (nn.functional.cross_entropy(model(x), y) / k).backward()  # all-reduces the sum of all k
     opt.step()
+
+# %% powersgd_step
+def my_powersgd(grad, q, error):
+    world = dist.get_world_size()
+    m = grad + error  # error feedback: what the last step's approximation dropped
+    p = m @ q  # n x r
+    dist.all_reduce(p)
+    p /= world
+    p = torch.linalg.qr(p).Q  # orthonormal columns: P P^T projects onto their span
+    new_q = m.T @ p  # m x r, the next step's q too
+    dist.all_reduce(new_q)
+    new_q /= world
+    approx = p @ new_q.T  # = P P^T (mean of the M): the same on every rank
+    return approx, new_q, m - approx

@@ -312,3 +312,163 @@ def no_sync_accumulation(step, k: int = 4, micro: int = 4) -> str:
         raise NotYet("the ranks took different steps", "every rank runs the same loop")
     return (f"1 all-reduce for {k} micro-batches; the big batch's gradient "
             f"({len(ranks)} ranks x {k} x {micro} samples), to float rounding")
+
+
+# ==== challenge: one PowerSGD step with error feedback, on real ranks ========================
+# Graded on 2 and 4 ranks, step by step (each step's reference is computed from the inputs the
+# learner's previous step left: its q, every rank's error): the approximation, this rank's new
+# error and the route (two all-reduces, of n*r then m*r numbers, instead of n*m).
+
+_PS_CASES = (  # (n, m, r, dtype, steps): tall and wide, rank 1 and 2, float32 and float64
+    (6, 4, 1, "float32", 3), (3, 7, 2, "float64", 3))
+_PS_TOL = {"float32": 1e-4, "float64": 1e-10}
+_PS_ALGO = ("M = grad + error; P = M @ q, all-reduced and divided by the world size; P's columns "
+            "made orthonormal (torch.linalg.qr(P).Q); new_q = M.T @ P, all-reduced and divided; "
+            "approx = P @ new_q.T; new_error = M - approx")
+
+
+def _ps_reference(ms, q):
+    """PowerSGD's approximation of the mean of ``ms`` from ``q``: orth(M̄ q), M̄ᵀ P, P new_qᵀ."""
+    import torch
+
+    mean = sum(ms) / len(ms)
+    p = torch.linalg.qr(mean @ q).Q
+    raw = mean @ q
+    return {"approx": p @ (mean.T @ p).T, "not_orth": raw @ (mean.T @ raw).T, "p": p,
+            "q": mean.T @ p}
+
+
+def _powersgd_worker(fn) -> list[dict]:
+    """Each rank, each case: ``steps`` calls of ``fn(grad, q, error)``, its outputs fed forward."""
+    import torch
+    import torch.distributed as dist
+
+    from ..parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for case, (n, m, r, dtype, steps) in enumerate(_PS_CASES):
+        dt = getattr(torch, dtype)
+        q = torch.randn(m, r, generator=torch.Generator().manual_seed(case)).to(dt)
+        error = torch.zeros(n, m, dtype=dt)
+        records = []
+        for step in range(steps):
+            grads = [torch.randn(n, m, generator=torch.Generator().manual_seed(
+                1000 * case + 10 * step + s)).to(dt) for s in range(world)]
+            if step == 0:
+                grads[0].zero_()  # rank 0 has nothing to add at first: it still takes part
+            errors = [torch.empty_like(error) for _ in range(world)]
+            dist.all_gather(errors, error.contiguous())  # outside the count: for the reference
+            ms = [g + e for g, e in zip(grads, errors, strict=True)]
+            ref = _ps_reference(ms, q)
+            with traffic.count_traffic() as t:
+                got = fn(grads[rank].clone(), q.clone(), error.clone())
+            rec = {"calls": [(c.op, c.payload_bytes) for c in t.calls],
+                   "returned": type(got).__name__, "n": n, "m": m, "r": r, "dtype": dtype,
+                   "ref": ref["approx"], "not_orth": ref["not_orth"], "ref_q": ref["q"],
+                   "local": ref["p"] @ (ms[rank].T @ ref["p"]).T, "mine": ms[rank],
+                   "grad": grads[rank], "q_in": q.clone()}
+            if not (isinstance(got, tuple | list) and len(got) == 3
+                    and all(isinstance(v, torch.Tensor) for v in got)):
+                records.append(rec)
+                break
+            approx, new_q, new_error = (v.detach().clone() for v in got)
+            rec.update(approx=approx, new_q=new_q, new_error=new_error)
+            records.append(rec)
+            if tuple(new_q.shape) != (m, r) or tuple(new_error.shape) != (n, m):
+                break
+            q, error = new_q.to(dt), new_error.to(dt)
+        out.append(records)
+    return out
+
+
+def _ps_judge(world: int, rank: int, rec: dict, step: int) -> None:
+    n, m, r, dtype = rec["n"], rec["m"], rec["r"], rec["dtype"]
+    where = f"on {world} ranks (rank {rank}), a {n} x {m} {dtype} gradient, rank {r}, step {step}"
+    tol = _PS_TOL[dtype]
+    if "approx" not in rec:
+        raise NotYet(f"{where}: it returned {rec['returned']}, not three tensors",
+                     "return (approx, new_q, new_error): the n x m approximation, the m x r "
+                     "q for the next step, this rank's n x m error")
+    approx, new_q, new_error = rec["approx"], rec["new_q"], rec["new_error"]
+    shapes = (tuple(approx.shape), tuple(new_q.shape), tuple(new_error.shape))
+    if shapes != ((n, m), (m, r), (n, m)):
+        raise NotYet(f"{where}: it returned shapes {shapes}; want {((n, m), (m, r), (n, m))}",
+                     "return (approx, new_q, new_error) in that order: " + _PS_ALGO)
+    if any(str(t.dtype) != f"torch.{dtype}" for t in (approx, new_q, new_error)):
+        raise NotYet(f"{where}: it returned {[str(t.dtype) for t in (approx, new_q, new_error)]}"
+                     f" for a {dtype} gradient", "keep the gradient's dtype throughout (buffers "
+                     "from torch.empty_like or the products themselves)")
+    calls = rec["calls"]
+    ops = [op for op, _ in calls]
+    esize = approx.element_size()
+    if "all_reduce" in ops and any(b == n * m * esize for _, b in calls):
+        raise NotYet(f"{where}: it all-reduced {n * m} numbers, the whole matrix",
+                     f"PowerSGD's point is to send (n + m) r = {(n + m) * r} numbers instead of "
+                     f"n m = {n * m}: all-reduce P (n x r) and new_q (m x r) only, and build the "
+                     f"approximation from them on every rank")
+    gap = _ps_gap(approx, rec["ref"])
+    if gap > tol:
+        if _ps_gap(approx, world * rec["ref"]) <= tol * world:
+            raise NotYet(f"{where}: the approximation is {world}x the mean gradient's",
+                         "all_reduce sums: divide new_q (or P and new_q) by the world size")
+        if _ps_gap(approx, rec["local"]) <= tol:
+            raise NotYet(f"{where}: the approximation is of this rank's M, not the mean",
+                         "all-reduce new_q = M.T @ P too (and divide): without it every rank "
+                         "builds its approximation from its own gradient, and they differ")
+        if _ps_gap(approx, rec["not_orth"]) <= tol * 10:
+            raise NotYet(f"{where}: the approximation is off by a scale: P was not made "
+                         f"orthonormal", "orthonormalise P's columns after its all-reduce "
+                         "(torch.linalg.qr(P).Q) before computing new_q = M.T @ P")
+        raise NotYet(f"{where}: the approximation differs from PowerSGD's by {gap:.2g}",
+                     ("the error from the last step is part of M: M = grad + error, "
+                      if step > 1 else "") + _PS_ALGO)
+    # new_q is M̄ᵀ P for the learner's own orthonormal P = P_ref D (D orthogonal): new_q new_qᵀ
+    # does not depend on D
+    if _ps_gap(new_q @ new_q.T, rec["ref_q"] @ rec["ref_q"].T) > tol * 10:
+        if _ps_gap(new_q, rec["q_in"]) == 0:
+            raise NotYet(f"{where}: new_q is the q it was given",
+                         "return the new q, M.T @ P all-reduced and divided: the next step "
+                         "starts from it (the warm start that makes one power step enough)")
+        raise NotYet(f"{where}: new_q is not M.T @ P averaged over the ranks", _PS_ALGO)
+    want_error = rec["mine"] - approx
+    if _ps_gap(new_error, want_error) > tol:
+        hint = ("the new error is what this rank's M = grad + error lost: M - approx, so "
+                "nothing is dropped for good")
+        if _ps_gap(new_error, rec["grad"] - approx) <= tol:
+            hint = "the previous error is part of M: new_error = (grad + error) - approx"
+        raise NotYet(f"{where}: new_error is not (grad + error) - approx", hint)
+    if ops != ["all_reduce", "all_reduce"] or sorted(b for _, b in calls) != sorted(
+            [n * r * esize, m * r * esize]):
+        raise NotYet(f"{where}: it made {ops} of {[b for _, b in calls]} bytes; PowerSGD makes "
+                     f"two all-reduces, of P ({n * r} numbers) and new_q ({m * r})", _PS_ALGO)
+
+
+def _ps_gap(a, b) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+@exercise("powersgd_step", notebook=NOTEBOOK, title="challenge: one PowerSGD step, on real ranks")
+def powersgd_step(fn, worlds=(2, 4)) -> str:
+    """Challenge: ``fn(grad, q, error) -> (approx, new_q, new_error)``, PowerSGD on one matrix.
+
+    Run on real gloo ranks (``worlds``) for 3 steps of a 6 x 4 float32 gradient at rank 1 and
+    a 3 x 7 float64 one at rank 2, the learner's q and error fed forward (rank 0's first
+    gradient is zero). Each step is compared with PowerSGD computed from the same inputs: the
+    approximation (independent of how P is made orthonormal), this rank's error, and the route:
+    two all-reduces of n r and m r numbers, never the n m of the matrix.
+
+    Example::
+
+        >>> exercise.powersgd_step(my_powersgd)
+        [pass] challenge: one PowerSGD step, on real ranks: on 2 and 4 ranks ...
+    """
+    for world in worlds:
+        ranks = on_ranks(_powersgd_worker, fn, nproc=world, timeout=60.0)
+        for rank, per_case in enumerate(ranks):
+            for records in per_case:
+                for step, rec in enumerate(records, start=1):
+                    _ps_judge(world, rank, rec, step)
+    return (f"on {' and '.join(map(str, worlds))} ranks, 3 steps each of a tall float32 "
+            f"matrix at rank 1 and a wide float64 one at rank 2: the approximation of the mean "
+            f"gradient and each rank's error, from two all-reduces of (n + m) r numbers")
