@@ -334,6 +334,29 @@ def test_one_stage_pipeline_is_gradient_accumulation(group):
         assert out["peak_saved_bytes"] == [live * out["micro_saved_bytes"][0]] != [0], name
 
 
+def test_run_stage_is_the_schedule_and_the_meter_measures_around_it(group):
+    from labkit.parallel.pipeline import StageMeter, run_stage
+
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3)
+    xs, ys = list(torch.randn(4, 4).chunk(2)), list(torch.tensor([0, 1, 2, 0]).chunk(2))
+    actions = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # GPipe on one stage
+    meta = ((2, 4), torch.float32)
+    # Alone, run_stage only runs the schedule: the losses, the gradients, nothing measured.
+    losses = run_stage(module, actions, xs, ys, meta, nn.functional.cross_entropy, "cpu")
+    assert len(losses) == 2 and module.weight.grad is not None
+    module.zero_grad()
+    meter = StageMeter(torch.device("cpu"), held=list(module.parameters()))
+    meter.start_step()
+    run_stage(module, actions, xs, ys, meta, nn.functional.cross_entropy, torch.device("cpu"),
+              meter.measure)
+    assert [(e["kind"], e["micro"]) for e in meter.events] == actions
+    assert all(0 <= e["start"] <= e["end"] for e in meter.events)
+    # Both forwards ran before either backward: two micro-batches' activations held at once.
+    assert meter.peak["live"] == 2 and meter.peak["bytes"] >= 2 * meter.peak["micro"] > 0
+    assert meter.alive == {}  # every backward freed its micro-batch
+
+
 @pytest.mark.parametrize("schedule, m, kwargs, match", [
     ("zigzag", 2, {}, r"unknown schedule 'zigzag': use one of naive, gpipe, 1f1b"),
     ("naive", 2, {}, r"naive .* m must be 1, got m=2; use 'gpipe' or '1f1b'"),
