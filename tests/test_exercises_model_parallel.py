@@ -125,7 +125,7 @@ def test_tp_f_and_g_solution_passes():
     ns = _solution("tp_f_and_g")
     verdict = mp.tp_f_and_g(ns["MyCopyToTP"], ns["MyReduceFromTP"])
     assert verdict, verdict
-    assert "1 all-reduce forward, 1 backward" in verdict.detail
+    assert "1 all-reduce forward (of the output), 1 backward" in verdict.detail
 
 
 def test_tp_f_and_g_wrong_copy_backward_not_all_reduced():
@@ -153,6 +153,32 @@ def test_tp_f_and_g_wrong_reduce_backward_all_reduces_too():
 def test_tp_f_and_g_wrong_copy_forward_all_reduces():
     verdict = mp.tp_f_and_g(*_functions(_all_reduce, _all_reduce, _all_reduce, _identity))
     assert not verdict and "f's forward must return x unchanged" in verdict.hint
+
+
+def _gathered_sum(ctx, t):
+    """The sum over the ranks by gathering every rank's tensor: right values, another route."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts).sum(0)
+
+
+def test_tp_f_and_g_wrong_route_gathered_with_right_values():
+    verdict = mp.tp_f_and_g(*_functions(_identity, _all_reduce, _gathered_sum, _identity))
+    assert not verdict and "right numbers, but the MLP's collectives were" in verdict.detail
+    assert "'all_gather': 1" in verdict.detail and "once each way" in verdict.hint
+
+
+def _async_sum(ctx, t):
+    """Valid, written another way: an asynchronous all-reduce of a detached copy, waited on."""
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True).wait()
+    return out
+
+
+def test_tp_f_and_g_written_another_way_passes_on_2_and_4_ranks():
+    verdict = mp.tp_f_and_g(*_functions(lambda ctx, t: t.clone(), _async_sum, _async_sum,
+                                        lambda ctx, g: g.clone()))
+    assert verdict and "on 2 and 4 gloo ranks" in verdict.detail
 
 
 def test_tp_f_and_g_wrong_not_written_yet_is_seen_without_running():

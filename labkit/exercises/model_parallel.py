@@ -186,13 +186,21 @@ def _tp_probe(copy_cls, reduce_cls, sizes=(4, 8, 16, 8), seed: int = 0) -> dict:
         h = dense[1](F.linear(copy_cls.apply(xt), w1, b1))  # f, then this rank's hidden slice
         outs.append(reduce_cls.apply(F.linear(h, w2)) + b2)  # g sums the partial outputs
 
-    counts = {"forward": tensor.count_collectives(forward)}
-    counts["backward"] = tensor.count_collectives(
-        lambda: (outs[0].square().sum() / 2).backward())
+    from ..parallel.traffic import count_traffic
+
+    with count_traffic() as fwd:
+        forward()
+    with count_traffic() as bwd:
+        (outs[0].square().sum() / 2).backward()
+    counts = {"forward": fwd.counts(), "backward": bwd.counts()}
+    # what each all-reduce carried: g's the (batch, out) output, f's the (batch, in) gradient
+    payloads = {"forward": [c.payload_bytes for c in fwd.calls],
+                "backward": [c.payload_bytes for c in bwd.calls],
+                "want": {"forward": [batch * out_f * 4], "backward": [batch * in_f * 4]}}
     pairs = {"output": (outs[0], dense(x)), "input grad": (xt.grad, xd.grad),
              "W2 grad": (w2.grad, dense[2].weight.grad[:, rows]),
              "W1 grad": (w1.grad, dense[0].weight.grad[rows])}
-    return {"probe": probe, "collectives": counts,
+    return {"probe": probe, "collectives": counts, "payloads": payloads,
             "mlp": {k: (a.detach().clone(), b.detach().clone()) for k, (a, b) in pairs.items()}}
 
 
@@ -259,9 +267,10 @@ def _not_summed(r: int, t: int, got, like, part: str, noun: str, own: str,
 def tp_f_and_g(copy_cls, reduce_cls) -> str:
     """Exercise: two autograd Functions, f (identity / all-reduce) and g (all-reduce / identity).
 
-    Run on 2 gloo ranks: each on known tensors, then together in a column-then-row parallel
-    MLP whose output, input gradient and weight gradients must equal the dense MLP's, with one
-    all-reduce forward and one backward.
+    Run on 2, then 4 gloo ranks: each on known tensors, then together in a column-then-row
+    parallel MLP whose output, input gradient and weight gradients must equal the dense MLP's,
+    with one all-reduce forward (of the output) and one backward (of the input's gradient),
+    their bytes counted.
 
     Example::
 
@@ -275,24 +284,40 @@ def tp_f_and_g(copy_cls, reduce_cls) -> str:
             raise NotYet(f"{name} is {cls!r}, not a torch.autograd.Function subclass",
                          "pass the classes themselves: exercise.tp_f_and_g(MyCopyToTP, "
                          "MyReduceFromTP)")
-    ranks = on_ranks(_tp_probe, copy_cls, reduce_cls)
+    for world in (2, 4):
+        _judge_tp(on_ranks(_tp_probe, copy_cls, reduce_cls, nproc=world), world)
+    return ("f and g right on their own on 2 and 4 gloo ranks; in a column-then-row MLP the "
+            "output, input gradient and weight gradients equal the dense MLP's; 1 all-reduce "
+            "forward (of the output), 1 backward (of the input's gradient)")
+
+
+def _judge_tp(ranks: list[dict], world: int) -> None:
+    """Raise NotYet unless f and g are right on ``world`` ranks, values then route."""
     mistake = _probe_mistake(ranks)
     if mistake is not None:
         raise mistake
     for r, got in enumerate(p["mlp"] for p in ranks):
         for what, (mine, dense) in got.items():
             if not _same(mine, dense):
-                raise NotYet(f"rank {r}: the MLP's {what} differs from the dense MLP's",
+                raise NotYet(f"on {world} ranks, rank {r}: the MLP's {what} differs from the "
+                             f"dense MLP's",
                              "f and g passed on their own: check that forward returns a tensor "
                              "of x's shape and backward one gradient per input")
-    counts = ranks[0]["collectives"]
-    if counts != {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}:
-        raise NotYet(f"right numbers, but the MLP's collectives were {counts}",
-                     "Megatron's MLP communicates once each way: g's all-reduce in forward, f's "
-                     "in backward, and nothing else")
-    return ("f and g right on their own on 2 gloo ranks; in a column-then-row MLP the output, "
-            "input gradient and weight gradients equal the dense MLP's; 1 all-reduce forward, "
-            "1 backward")
+    for r, got in enumerate(ranks):
+        counts = got["collectives"]
+        if counts != {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}:
+            raise NotYet(f"on {world} ranks, rank {r}: right numbers, but the MLP's "
+                         f"collectives were {counts}",
+                         "Megatron's MLP communicates once each way: g's all-reduce in "
+                         "forward, f's in backward, and nothing else")
+        sent = got["payloads"]
+        for way in ("forward", "backward"):
+            if sent[way] != sent["want"][way]:
+                what = {"forward": "output", "backward": "input gradient"}[way]
+                raise NotYet(f"on {world} ranks, rank {r}: the {way} all-reduce carried "
+                             f"{sent[way]} bytes; the {what} is {sent['want'][way]}",
+                             "all-reduce the tensor itself (g: the partial output, f: the "
+                             "gradient of x), not a padded or concatenated copy")
 
 
 # ---- ZeRO: bytes per rank ---------------------------------------------------------------------
