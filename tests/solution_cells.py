@@ -43,12 +43,40 @@ class CellNames:
             self.python = False
             return
         self.python = True
-        for statement in tree.body:
-            self._top_level(statement)
+        self._statements(tree.body)
         # Function bodies read globals when called; the names this cell binds itself are its own.
         self.reads |= _globals_read_in_nested_scopes(table) - self.defines
 
-    def _top_level(self, statement: ast.stmt) -> None:
+    def _statements(self, statements: list[ast.stmt]) -> None:
+        """Follow the cell in the order it runs: a loop's or a ``with``'s target is bound before
+        its body reads it, a branch's names before the statements after it."""
+        for statement in statements:
+            if isinstance(statement, (ast.For, ast.AsyncFor)):
+                self._expression(statement.iter)
+                self._expression(statement.target)
+                self._statements(statement.body + statement.orelse)
+            elif isinstance(statement, (ast.If, ast.While)):
+                self._expression(statement.test)
+                self._statements(statement.body + statement.orelse)
+            elif isinstance(statement, (ast.With, ast.AsyncWith)):
+                for item in statement.items:
+                    self._expression(item.context_expr)
+                    if item.optional_vars is not None:
+                        self._expression(item.optional_vars)
+                self._statements(statement.body)
+            elif isinstance(statement, ast.Try):
+                self._statements(statement.body)
+                for handler in statement.handlers:
+                    if handler.type is not None:
+                        self._expression(handler.type)
+                    if handler.name:
+                        self.defines.add(handler.name)
+                    self._statements(handler.body)
+                self._statements(statement.orelse + statement.finalbody)
+            else:
+                self._expression(statement)
+
+    def _expression(self, statement: ast.AST) -> None:
         loads, stores, comprehension_targets = set(), set(), set()
         for node in _outside_nested_scopes(statement):
             if isinstance(node, ast.Name):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import re
 import subprocess
 import sys
@@ -120,6 +121,12 @@ def test_solution_cells_follow_names_through_functions_comprehensions_and_change
                      "rows.sort()\nmodel.fit(rows)\nimport numpy as np\nnp.save('x', rows)")
     assert cell.reads == {"OFFSET", "data", "model"}   # y, r are local; rows bound before read
     assert cell.defines == {"g", "rows", "np"} and cell.changes >= {"rows", "model"}
+    loops = CellNames("for ax, name in zip(axes, names):\n    ax.set_title(name)\n"
+                      "with open(path) as f:\n    text = f.read()\n"
+                      "try:\n    n = int(text)\nexcept ValueError as err:\n    print(err)")
+    builtin = set(dir(builtins))
+    assert loops.reads - builtin == {"axes", "names", "path"}  # targets bound before the body
+    assert loops.defines == {"ax", "name", "f", "text", "n", "err"}
     assert not CellNames("%time x = 1").python            # IPython syntax: always run
     course = ["%matplotlib inline", "x = 1", "# EXERCISE e\ny = ...", "print(x + 0)"]
     assert cells_to_run(["%matplotlib inline", "x = 1", "y = x + 1", "print(x + 0)"],
