@@ -114,6 +114,47 @@ def test_nonfinite_ranks_wrong_a_mask_instead_of_rank_numbers():
     assert not verdict and "a mask, not rank numbers" in verdict.detail
 
 
+def two_ranks_assumed(value):
+    """Right on 2 ranks: the other rank is 1 - rank, one flag each way."""
+    mine = torch.tensor([float(not torch.isfinite(value).all())])
+    theirs = torch.empty(1)
+    other = 1 - dist.get_rank()
+    for work in (dist.isend(mine, other), dist.irecv(theirs, other)):
+        work.wait()
+    flags = {dist.get_rank(): mine.item(), other: theirs.item()}
+    return [r for r in sorted(flags) if flags[r] > 0]
+
+
+def test_nonfinite_ranks_wrong_two_ranks_assumed_shows_on_4():
+    verdict = diagnosis.nonfinite_ranks(two_ranks_assumed, timeout=5.0)  # passes on 2 ranks
+    assert not verdict and "still running after 5 s (rank 2: waits in isend" in verdict.detail
+    assert verdict.hint.startswith("rank 2, 3 waited in a collective")
+
+
+def isnan_or_isinf_per_dtype(value):
+    """Valid, written another way: all_gather of one flag per rank, NaN and inf tested apart."""
+    bad = torch.tensor([float(bool(torch.isnan(value).any() or torch.isinf(value).any()))])
+    flags = [torch.empty(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, bad)
+    return [r for r, f in enumerate(flags) if f.item()]
+
+
+def test_nonfinite_ranks_written_another_way_passes_on_2_and_4_ranks():
+    verdict = diagnosis.nonfinite_ranks(isnan_or_isinf_per_dtype)
+    assert verdict and "on 2 and 4 ranks" in verdict.detail and "bfloat16" in verdict.detail
+
+
+def test_nonfinite_ranks_wrong_the_last_rank_left_out():
+    def all_but_last(value):
+        flags = torch.zeros(dist.get_world_size())
+        flags[dist.get_rank()] = float(not torch.isfinite(value).all())
+        dist.all_reduce(flags)
+        return [r for r in range(len(flags) - 1) if flags[r] > 0]  # one short
+
+    verdict = diagnosis.nonfinite_ranks(all_but_last)
+    assert not verdict and "NaN on rank 1: every rank said [], expected [1]" in verdict.detail
+
+
 def test_nonfinite_ranks_takes_rank_numbers_as_a_tensor():
     def as_tensor(value):
         flags = torch.zeros(dist.get_world_size())
@@ -298,6 +339,6 @@ def reduce_only_when_bad(value):
 def test_nonfinite_ranks_wrong_a_collective_only_on_the_bad_rank_hangs():
     verdict = diagnosis.nonfinite_ranks(reduce_only_when_bad, timeout=HANG_S)
     assert not verdict and "still running after 3 s" in verdict.detail
-    assert re.search(r"rank [01] waited in a collective that the other rank never called",
+    assert re.search(r"rank [01] waited in a collective that another rank never called",
                      verdict.hint)
     assert "call it on every rank, every time, finite or not" in verdict.hint

@@ -15,24 +15,38 @@ from ..check import NotYet, exercise, on_ranks
 NOTEBOOK = "05"
 EARLY_STOP = {"epochs": 10, "patience": 1}  # the job's arguments, the learner's and labkit's
 
-# (what the case is, rank 0's value, rank 1's value, the ranks to be named)
+# world -> (what the case is, each rank's value, its dtype); the ranks to be named are worked
+# out from the values (torch.isfinite), not written down
 _NAN, _INF = float("nan"), float("inf")
-_CASES = [("finite on both ranks", 0.7, 1.3, []),
-          ("NaN on rank 1", 0.7, _NAN, [1]),
-          ("inf on rank 0", _INF, 1.3, [0]),
-          ("NaN on rank 0, -inf on rank 1", _NAN, -_INF, [0, 1]),
-          ("one NaN among a gradient's 3 values on rank 1", [0.1, 0.2, 0.3], [0.1, _NAN, 0.3],
-           [1])]
+_CASES = {
+    2: [("finite on both ranks", [0.7, 1.3], "float32"),
+        ("NaN on rank 1", [0.7, _NAN], "float32"),
+        ("inf on rank 0", [_INF, 1.3], "float32"),
+        ("NaN on rank 0, -inf on rank 1", [_NAN, -_INF], "float32"),
+        ("one NaN among a gradient's 3 values on rank 1", [[0.1, 0.2, 0.3], [0.1, _NAN, 0.3]],
+         "float32")],
+    4: [("on 4 ranks, NaN on the last rank only", [0.5, 1.0, 1.5, _NAN], "float32"),
+        ("on 4 ranks, inf on ranks 1 and 2, in float64", [0.5, _INF, -_INF, 2.0], "float64"),
+        ("on 4 ranks, a bfloat16 NaN on rank 2", [[1.0, 2.0], [1.0, 2.0], [_NAN, 2.0],
+                                                  [1.0, 2.0]], "bfloat16"),
+        ("on 4 ranks, finite everywhere", [0.1, 0.2, 0.3, 0.4], "float32")],
+}
 
 
-def _nonfinite_worker(fn) -> list[dict]:
+def _bad_ranks(values) -> list[int]:
+    """The reference: the ranks whose value holds a NaN or an infinity."""
+    return [r for r, v in enumerate(values)
+            if not all(math.isfinite(x) for x in (v if isinstance(v, list) else [v]))]
+
+
+def _nonfinite_worker(fn, cases) -> list[dict]:
     """Every case on this rank: what the learner's function answered, and if it kept the value."""
     import torch
     import torch.distributed as dist
 
     rank, out = dist.get_rank(), []
-    for _, *values, _ in _CASES:
-        value = torch.tensor(values[rank])
+    for _, values, dtype in cases:
+        value = torch.tensor(values[rank], dtype=getattr(torch, dtype))
         before = value.clone()
         answer = fn(value)
         if isinstance(answer, torch.Tensor):
@@ -53,16 +67,30 @@ def nonfinite_ranks(fn, *, timeout: float = 20.0) -> str:
         >>> exercise.nonfinite_ranks(my_nonfinite_ranks)
         [pass] a NaN detector that names the rank: 5 cases on 2 ranks, ...
     """
+    for world, cases in _CASES.items():
+        _judge_nonfinite(_nonfinite_on_ranks(fn, cases, world, timeout), cases)
+    return (f"{sum(map(len, _CASES.values()))} cases on 2 and 4 ranks (NaN, inf, a NaN in a "
+            f"vector, the last rank bad, float64 and bfloat16): the same, right list on every "
+            f"rank, and the values left as they were")
+
+
+def _nonfinite_on_ranks(fn, cases, world: int, timeout: float) -> list:
+    """The learner's detector on ``world`` ranks; a hang named for what it is here."""
     try:
-        ranks = on_ranks(_nonfinite_worker, fn, timeout=timeout)
+        return on_ranks(_nonfinite_worker, fn, cases, nproc=world, timeout=timeout)
     except NotYet as wrong:
         if not wrong.stuck:  # not a hang: the learner's exception, as on_ranks put it
             raise
         stuck = ", ".join(map(str, wrong.stuck)) or "a rank"
-        raise NotYet(wrong.detail, f"rank {stuck} waited in a collective that the other rank "
+        raise NotYet(wrong.detail, f"rank {stuck} waited in a collective that another rank "
                      "never called: call it on every rank, every time, finite or not; that "
                      "call is how the finite ranks learn of the bad one") from None
-    for i, (case, *_, want) in enumerate(_CASES):
+
+
+def _judge_nonfinite(ranks: list, cases) -> None:
+    """Raise NotYet unless every rank named the reference's bad ranks in every case."""
+    for i, (case, values, _) in enumerate(cases):
+        want = _bad_ranks(values)
         said = {r: ranks[r][i]["answer"] for r in range(len(ranks))}
         if not all(ranks[r][i]["kept"] for r in said):
             raise NotYet(f"{case}: your function changed the value it was given",
@@ -85,8 +113,6 @@ def nonfinite_ranks(fn, *, timeout: float = 20.0) -> str:
                     if "inf" in case else "name each rank whose value is not finite, and only "
                     "those: one flag per rank (set your own slot), summed over the ranks")
             raise NotYet(f"{case}: every rank said {said[0]}, expected {want}", hint)
-    return (f"{len(_CASES)} cases on {len(ranks)} ranks (NaN, inf, a NaN in a vector): the "
-            f"same, right list on every rank, and the values left as they were")
 
 
 def _determinism_worker(setup, seed: int) -> dict:
