@@ -38,16 +38,30 @@ interactive explorer is :func:`labkit.explorers.planner_explorer`.
   S bytes: ``2(n-1)/n * S``; all-gather / reduce-scatter: ``(n-1)/n * S``; point-to-point:
   ``S``). Each formula function's docstring gives its formula.
 
+- **Bytes per parameter**: mixed-precision Adam is 16 (ZeRO's 2 + 2 + 12, the default), 18
+  (bf16 weights, fp32 gradients) or 20 (fp16 weights and gradients, fp32 main gradients):
+  ``Model(..., **adam_bytes(18))``.
+- **Overlap**: ``Plan.seconds["transfer"]`` adds every byte up (with ``latency_us`` per ring
+  step), an upper bound; ``seconds["comm"]`` keeps what does not hide behind compute (see
+  :func:`step_seconds`), and that is what :func:`suggest` ranks by.
+
 Left out, on purpose: the embedding and output layers (their parameters are in ``params``,
-their activations and the first stage's imbalance are not), interleaved pipeline stages,
-communication buffers other than ZeRO-3's gathered layers, and overlap of communication with
-compute (``Plan.seconds`` adds them up: an upper bound, used only to rank layouts).
+their activations are not), communication buffers other than ZeRO-3's gathered layers, and
+how fast kernels run on the pieces a layout leaves.
 """
 
 from __future__ import annotations
 
-from .communication import allreduce_bytes, comm_bytes, gather_bytes, group_links, step_seconds
+from .communication import (
+    allreduce_bytes,
+    comm_bytes,
+    cp_hop_seconds,
+    gather_bytes,
+    group_links,
+    step_seconds,
+)
 from .describe import (
+    ADAM_BYTES,
     DIMENSIONS,
     FP32_ADAM,
     MEMORY_PARTS,
@@ -56,14 +70,16 @@ from .describe import (
     Degrees,
     Model,
     PlanError,
+    adam_bytes,
     as_degrees,
 )
-from .memory import layer_activation_bytes, model_state_bytes, stage_activation_bytes
+from .memory import in_flight, layer_activation_bytes, model_state_bytes, stage_activation_bytes
 from .published import PUBLISHED, Published
 from .search import Plan, layouts, plan, predicted_vs_measured, suggest
 
 __all__ = ["PlanError", "Model", "Cluster", "Degrees", "Plan", "Published", "PUBLISHED",
-           "MIXED_ADAM", "FP32_ADAM", "DIMENSIONS", "MEMORY_PARTS", "allreduce_bytes",
+           "MIXED_ADAM", "FP32_ADAM", "ADAM_BYTES", "adam_bytes", "in_flight", "cp_hop_seconds",
+           "DIMENSIONS", "MEMORY_PARTS", "allreduce_bytes",
            "gather_bytes", "as_degrees", "model_state_bytes", "layer_activation_bytes",
            "stage_activation_bytes", "comm_bytes", "group_links", "step_seconds", "plan",
            "suggest", "layouts", "predicted_vs_measured"]

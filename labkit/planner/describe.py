@@ -11,7 +11,7 @@ from dataclasses import KW_ONLY, dataclass
 from .._sizes import whole
 
 __all__ = ["PlanError", "Model", "Cluster", "Degrees", "as_degrees", "MIXED_ADAM", "FP32_ADAM",
-           "DIMENSIONS", "MEMORY_PARTS", "GiB", "factors", "gib"]
+           "ADAM_BYTES", "adam_bytes", "DIMENSIONS", "MEMORY_PARTS", "GiB", "factors", "gib"]
 
 GiB = 2**30
 DIMENSIONS = ("dp", "tp", "pp", "cp", "ep")
@@ -21,6 +21,32 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 # keeps fp32 weights and gradients (4 + 4) and momentum and variance (8).
 MIXED_ADAM = {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12, "act_bytes": 2}
 FP32_ADAM = {"param_bytes": 4, "grad_bytes": 4, "optimizer_bytes": 8, "act_bytes": 4}
+# The conventions in use for mixed-precision Adam, by their bytes per parameter. Megatron-LM's
+# distributed-optimizer table (docs/source/api-guide/dist_optimizer.md) has 20 for fp16
+# parameters and gradients (2 + 2, plus fp32 main gradients 4, main parameters 4 and Adam's 8:
+# its optimizer part, 16, is what the distributed optimizer shards, "4 + 16/d"), 18 for bf16
+# parameters with fp32 gradients (2 + 4 + 12, "6 + 12/d"), and 16 for fp32 parameters and
+# gradients (4 + 4 + 8, "8 + 8/d"); the ZeRO paper's 16 is 2 + 2 + 12 (fp16 gradients, no fp32
+# copy of them).
+ADAM_BYTES = {16: MIXED_ADAM,
+              18: {"param_bytes": 2, "grad_bytes": 4, "optimizer_bytes": 12, "act_bytes": 2},
+              20: {"param_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 16, "act_bytes": 2}}
+
+
+def adam_bytes(per_param: int) -> dict:
+    """The Model fields of a bytes-per-parameter convention: 16, 18 or 20 (see ``ADAM_BYTES``).
+
+    Example (bf16 weights, fp32 gradients, Megatron's default with a distributed optimizer)::
+
+        >>> Model("7B", params=7e9, layers=32, hidden=4096, heads=32, seq_len=4096,
+        ...       micro_batch=1, **adam_bytes(18)).grad_bytes
+        4
+    """
+    if per_param not in ADAM_BYTES:
+        raise PlanError(f"bytes per parameter is one of {sorted(ADAM_BYTES)} (16: ZeRO's 2 + 2 "
+                        f"+ 12; 18: bf16 weights with fp32 gradients; 20: fp16 weights and "
+                        f"gradients with fp32 main gradients), got {per_param!r}")
+    return dict(ADAM_BYTES[per_param])
 
 
 class PlanError(ValueError):
@@ -112,6 +138,15 @@ class Model:
     """Dropout stores its 1-byte masks."""
     gated_mlp: bool = False
     """A SwiGLU MLP: four ffn-wide tensors saved, not two."""
+    selective_recompute: bool = False
+    """Megatron's selective recomputation: the attention scores (softmax, its dropout) are not
+    kept but recomputed in backward; ignored under full ``activation_checkpointing``."""
+    attention_dropout: bool | None = None
+    """Dropout on the attention probabilities (its mask and the dropped-out copy are kept);
+    ``dropout`` unless given."""
+    small_terms: bool = False
+    """Count the small tensors too: each LayerNorm's mean and 1/std (fp32) and, without flash
+    attention, the causal mask (``s x s`` booleans), as notebook 09's block keeps them."""
 
     def __post_init__(self):
         _positive(self.params, "params")
@@ -186,6 +221,9 @@ class Cluster:
     """Bytes per second (GB/s) one device sends to another node: its share of the network."""
     tflops: float = 150.0
     """The dense matmul rate one device achieves (about half its peak), for the time estimates."""
+    latency_us: float = 10.0
+    """Microseconds each message or ring step costs before its bytes flow (NCCL's few
+    microseconds inside a node to tens across nodes)."""
     headroom: float = 0.10
     """The fraction of memory kept free for what the planner does not count."""
     name: str = ""
@@ -196,6 +234,10 @@ class Cluster:
         _whole(self.devices_per_node, "devices_per_node")
         for name in ("memory_gib", "intra_GBps", "inter_GBps", "tflops"):
             _positive(getattr(self, name), name)
+        if isinstance(self.latency_us, bool) or not isinstance(self.latency_us, (int, float)) \
+                or self.latency_us < 0:
+            raise PlanError(f"latency_us is the microseconds per message, >= 0, got "
+                            f"{self.latency_us!r}")
         if not 0 <= self.headroom < 1:
             raise PlanError(f"headroom is the fraction of memory kept free, from 0 to below 1 "
                             f"(0.1 keeps 10 %), got {self.headroom!r}")
@@ -245,15 +287,44 @@ class Degrees:
     microbatches: int | None = None
     """Micro-batches per replica per step; ``None``: pp, the fewest that keep every stage busy."""
     sp: bool = True
-    """Megatron's sequence parallelism when tp > 1: norms and dropouts on 1/tp of the sequence."""
+    """Megatron's sequence parallelism when tp > 1: norms and dropouts on 1/tp of the sequence,
+    every activation divided by tp (the column-parallel inputs all-gathered again in backward)."""
+    chunks: int = 1
+    """Model chunks per pipeline rank: ``v > 1`` is the interleaved 1F1B schedule."""
+    stage_layers: tuple | None = None
+    """Layers on each pipeline stage, first to last, when they differ (Llama 3 gives its first
+    and last stages one layer fewer); ``None``: ``layers / pp`` each."""
+    keep_gathered: bool = False
+    """With zero=3: a stage's parameters, once gathered, stay gathered through the step (FSDP's
+    ``reshard_after_forward=False``, kept over the micro-batches); gradients and optimizer
+    state stay sharded."""
+    pp_scatter_gather: bool = False
+    """Megatron's scatter/gather of pipeline sends without sequence parallelism: each TP rank
+    sends 1/tp of the activation, the receiver all-gathers it inside its node."""
+    overlap: bool = True
+    """Communication overlapped where the frameworks overlap it: data-parallel gradients with
+    backward, ZeRO-3's gathers with compute (prefetch), tensor-parallel collectives with the
+    GEMMs when sequence-parallel (Megatron's ``--tp-comm-overlap``), ring attention's K/V
+    passes with each block's attention. ``False``: every byte on the critical path."""
 
     def __post_init__(self):
-        for name in DIMENSIONS:
+        for name in DIMENSIONS + ("chunks",):
             _whole(getattr(self, name), name)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise PlanError(f"zero is the ZeRO stage, 0 (none), 1, 2 or 3, got {self.zero!r}")
         if self.microbatches is not None:
             _whole(self.microbatches, "microbatches")
+        if self.keep_gathered and self.zero != 3:
+            raise PlanError(f"keep_gathered keeps ZeRO-3's gathered parameters through the step: "
+                            f"it needs zero=3, got zero={self.zero}")
+        if self.stage_layers is not None:
+            layers = tuple(self.stage_layers)
+            for n in layers:
+                _whole(n, "stage_layers[i]")
+            if len(layers) != self.pp:
+                raise PlanError(f"stage_layers gives {len(layers)} stages but pp={self.pp}: one "
+                                f"count per pipeline stage")
+            object.__setattr__(self, "stage_layers", layers)
 
     @property
     def world(self) -> int:
@@ -266,6 +337,8 @@ class Degrees:
 
     def __str__(self) -> str:
         text = " ".join(f"{k}={getattr(self, k)}" for k in DIMENSIONS) + f" zero={self.zero}"
+        text += " (kept gathered)" if self.keep_gathered else ""
+        text += f" v={self.chunks}" if self.chunks > 1 else ""
         return text + ("" if self.tp == 1 or self.sp else " (no sp)")
 
 
@@ -277,7 +350,8 @@ def as_degrees(value) -> Degrees:
         unknown = set(value) - {f.name for f in dataclasses.fields(Degrees)}
         if unknown:
             raise PlanError(f"unknown keys {sorted(unknown)}: a layout has dp, tp, pp, cp, ep, "
-                            f"zero, microbatches and sp")
+                            f"zero, microbatches, sp, chunks, stage_layers, keep_gathered, "
+                            f"pp_scatter_gather and overlap")
         return Degrees(**value)
     raise PlanError(f"a layout is a Degrees(dp=..., tp=..., ...) or a dict with those keys, "
                     f"not {type(value).__name__}")

@@ -5,17 +5,26 @@ from __future__ import annotations
 
 from .describe import Degrees, Model
 
-__all__ = ["local_params", "model_state_bytes", "layer_activation_bytes",
-           "stage_activation_bytes"]
+__all__ = ["stage_layers", "local_params", "model_state_bytes", "layer_activation_bytes",
+           "in_flight", "stage_activation_bytes"]
 
 
-def local_params(model: Model, d: Degrees) -> tuple[float, float]:
-    """(dense, expert) parameters on one device before ZeRO: split by tp*pp, experts by ep too."""
-    return ((model.params - model.expert_params) / (d.tp * d.pp),
-            model.expert_params / (d.ep * d.tp * d.pp))
+def stage_layers(model: Model, d: Degrees) -> tuple:
+    """The layers on each pipeline stage: ``d.stage_layers``, or ``layers / pp`` each."""
+    return d.stage_layers or (model.layers / d.pp,) * d.pp
 
 
-def model_state_bytes(model: Model, degrees: Degrees) -> dict:
+def local_params(model: Model, d: Degrees, stage: int = 0) -> tuple[float, float]:
+    """(dense, expert) parameters on one device of ``stage`` before ZeRO: split by tp*pp (by
+    tp and the stage's share of the layers when stages differ), experts by ep too."""
+    dense, expert = model.params - model.expert_params, model.expert_params
+    if d.stage_layers is None:
+        return dense / (d.tp * d.pp), expert / (d.ep * d.tp * d.pp)
+    share = d.stage_layers[stage] / model.layers
+    return dense * share / d.tp, expert * share / (d.ep * d.tp)
+
+
+def model_state_bytes(model: Model, degrees: Degrees, stage: int = 0) -> dict:
     """Bytes per device of parameters, gradients, optimizer state, and ZeRO-3's gathered buffers.
 
     With ``P = params - expert_params`` dense and ``E = expert_params`` expert parameters, one
@@ -27,6 +36,9 @@ def model_state_bytes(model: Model, degrees: Degrees) -> dict:
     ZeRO-3 gathers a layer's parameters whole before using it; ``buffers`` counts two gathered
     layers (the one computing and the one prefetched) and one layer's unsharded gradients
     before their reduce-scatter: ``(2*param_bytes + grad_bytes) * local_params / (layers/pp)``.
+    With ``keep_gathered`` the whole stage stays gathered through the step: ``buffers`` is
+    ``param_bytes * local_params`` plus one layer's unsharded gradients. (ZeRO-3's ``16Ψ/n``
+    alone leaves these buffers out.)
 
     Example (1e9 parameters, mixed Adam, ZeRO-1 over 8 ranks: 2 + 2 + 12/8 bytes each)::
 
@@ -35,7 +47,7 @@ def model_state_bytes(model: Model, degrees: Degrees) -> dict:
         >>> m["params"] / 1e9, m["grads"] / 1e9, m["optimizer"] / 1e9
         (2.0, 2.0, 1.5)
     """
-    dense, expert = local_params(model, degrees)
+    dense, expert = local_params(model, degrees, stage)
     n = degrees.dp * degrees.cp
     n_expert = n / degrees.ep
 
@@ -47,8 +59,11 @@ def model_state_bytes(model: Model, degrees: Degrees) -> dict:
            "optimizer": held(model.optimizer_bytes, degrees.zero >= 1),
            "buffers": 0.0}
     if degrees.zero >= 3 and n > 1:
-        per_layer = (dense + expert) / (model.layers / degrees.pp)
-        out["buffers"] = (2 * model.param_bytes + model.grad_bytes) * per_layer
+        per_layer = (dense + expert) / stage_layers(model, degrees)[stage]
+        if degrees.keep_gathered:
+            out["buffers"] = model.param_bytes * (dense + expert) + model.grad_bytes * per_layer
+        else:
+            out["buffers"] = (2 * model.param_bytes + model.grad_bytes) * per_layer
     return out
 
 
@@ -67,7 +82,11 @@ def layer_activation_bytes(model: Model, degrees: Degrees) -> float:
       tensors (``2fB``: GELU's input and output; ``4fB`` for a gated MLP; times ``top_k`` for
       experts, each token being computed by ``top_k`` of them);
     - the attention scores, ``a*s*s*b*(B + d*(1 + B))`` (softmax output, dropout mask and
-      output), split by TP; none with ``flash_attention``.
+      output; ``a*s*s*b*B`` without ``attention_dropout``), split by TP; none with
+      ``flash_attention`` or ``selective_recompute`` (recomputed in backward: Megatron's
+      selective recomputation gives ``34/t`` with SP, ``10 + 24/t`` without);
+    - with ``small_terms``: each LayerNorm's mean and 1/std, ``2*2*s*b`` fp32 numbers (``/t``
+      with SP), and without flash attention the causal mask, ``s*s`` bytes on every rank.
 
     At B=2, d=1, g=1, f=4: ``4B + 2d = 10`` and ``B*(2 + 2g + 2f) = 24``: Megatron's ``10 +
     24/t`` without sequence parallelism, ``34/t`` with it (``sp``: everything divided by
@@ -89,23 +108,49 @@ def layer_activation_bytes(model: Model, degrees: Degrees) -> float:
     wide = (4 if model.gated_mlp else 2) * f * (model.top_k if model.experts > 1 else 1)
     whole_per_rank = (4 * B + 2 * d) * sbh
     split = B * (2 + 2 * g + wide) * sbh
-    if not model.flash_attention:
-        split += model.heads * s * model.seq_len * model.micro_batch * (B + d * (1 + B))
+    scores = not (model.flash_attention or model.selective_recompute)
+    if scores:
+        drops = model.dropout if model.attention_dropout is None else model.attention_dropout
+        score_dropout = 1 if drops else 0
+        split += (model.heads * s * model.seq_len * model.micro_batch
+                  * (B + score_dropout * (1 + B)))
+    small = 0.0
+    if model.small_terms:
+        whole_per_rank += 2 * 2 * s * model.micro_batch * max(B, 4)  # LayerNorm statistics
+        small = model.seq_len * model.seq_len if not model.flash_attention else 0.0
     if degrees.sp and t > 1:
-        return (whole_per_rank + split) / t
-    return whole_per_rank + split / t
+        return (whole_per_rank + split) / t + small
+    return whole_per_rank + split / t + small
 
 
-def stage_activation_bytes(model: Model, degrees: Degrees) -> float:
-    """Activation bytes on the busiest device: pipeline stage 0 under 1F1B.
+def in_flight(degrees: Degrees, stage: int = 0) -> float:
+    """Micro-batches' worth of a stage's activations that ``stage`` holds at its peak.
 
-    Stage 0 of a 1F1B pipeline holds ``min(pp, m)`` micro-batches in flight (it runs ``pp - 1``
-    forwards before its first backward), each through ``layers / pp`` layers: ``min(pp, m) *
-    layers/pp * layer_activation_bytes``, about the whole model's layers' worth for one
-    micro-batch. Without a pipeline (``pp = 1``) gradient accumulation runs one micro-batch at
-    a time. With ``activation_checkpointing`` each layer keeps only its input (``s*b*h*B``,
-    ``/tp`` with sequence parallelism) and backward recomputes one layer at a time, whose full
-    activations are added once.
+    1F1B: stage ``r`` runs ``pp - r`` forwards before its first backward, so it holds ``min(pp
+    - r, m)``. Interleaved 1F1B with ``v`` chunks (Megatron's warm-up): ``min(2(pp-r-1) +
+    (v-1)pp + 1, m v)`` chunk forwards, each ``1/v`` of the stage: stage 0 holds ``pp +
+    (pp-1)/v`` stages' worth when m is large (Korthikanti et al. 2022, section 4.2.3:
+    ``L(1 + (p-1)/(pv))`` layers in all), more than 1F1B's ``pp``.
+    Without a pipeline gradient accumulation runs one micro-batch at a time.
+    """
+    p, v, m = degrees.pp, degrees.chunks, degrees.m
+    if p == 1:
+        return 1
+    if v == 1:
+        return min(p - stage, m)
+    return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
+
+
+def stage_activation_bytes(model: Model, degrees: Degrees, stage: int = 0) -> float:
+    """Activation bytes on one device of pipeline ``stage`` (stage 0 by default: the busiest
+    when stages are equal).
+
+    ``in_flight(degrees, stage) * stage_layers * layer_activation_bytes``: stage 0 of a 1F1B
+    pipeline holds ``min(pp, m)`` micro-batches (it runs ``pp - 1`` forwards before its first
+    backward), each through ``layers / pp`` layers, about the whole model's layers' worth for
+    one micro-batch. With ``activation_checkpointing`` each layer keeps only its input
+    (``s*b*h*B``, ``/tp`` with sequence parallelism) and backward recomputes one layer at a
+    time, whose full activations are added once.
 
     Example (stage 0 of 4 holds 4 micro-batches of 2 layers: 8 layers' worth)::
 
@@ -114,12 +159,12 @@ def stage_activation_bytes(model: Model, degrees: Degrees) -> float:
         8.0
     """
     per_layer = layer_activation_bytes(model, degrees)
-    in_flight = min(degrees.pp, degrees.m) if degrees.pp > 1 else 1
-    layers = model.layers / degrees.pp
+    held = in_flight(degrees, stage)
+    layers = stage_layers(model, degrees)[stage]
     if not model.activation_checkpointing:
-        return in_flight * layers * per_layer
+        return held * layers * per_layer
     s = model.seq_len / degrees.cp
     kept = s * model.micro_batch * model.hidden * model.act_bytes
     if degrees.sp and degrees.tp > 1:
         kept /= degrees.tp
-    return in_flight * layers * kept + per_layer
+    return held * layers * kept + per_layer

@@ -65,22 +65,24 @@ PUBLISHED = {
         notes="Assumed as for GPT-3: micro-batch 1 (512 micro-batches per replica) and full "
         "activation recomputation."),
     "llama3-405b": Published(
-        Model("Llama 3 405B", params=405e9, layers=128, hidden=16384, heads=128, kv_heads=8,
+        Model("Llama 3 405B", params=405e9, layers=126, hidden=16384, heads=128, kv_heads=8,
               ffn=53248, seq_len=8192, micro_batch=1, vocab=128256, flash_attention=True,
-              dropout=False),
+              dropout=False, gated_mlp=True),
         Cluster(devices=16384, name="16384 H100 80GB", **_H100),
-        Degrees(dp=128, tp=8, pp=16, cp=1, zero=3, microbatches=16),
-        "Dubey et al. 2024, 'The Llama 3 Herd of Models', the 405B pre-training layout: 126 "
-        "layers, hidden 16384, FFN 53248, 128 heads with 8 key/value heads, sequence 8192, "
-        "TP 8, CP 1, PP 16, DP 128 on 16384 H100 80GB GPUs, 16M tokens per batch (16 sequences "
-        "per data-parallel rank); its data parallelism is FSDP, sharding parameters, gradients "
-        "and optimizer state (zero=3 here).",
-        "layers=128: the real run has 126 layers and gives the first and last stages one layer "
-        "fewer (they also hold the embedding and the output layer); the planner splits 128 "
-        "slots evenly, 8 per stage. Assumed: micro-batch 1. The activation formula is GPT's: it "
-        "counts SwiGLU's ffn-wide tensors as a GELU MLP's two (gated_mlp=True counts four, and "
-        "then stage 0 needs about 79 GiB: the real run's fused kernels, its lighter first "
-        "stage and whatever recomputation it used are not modelled). The paper orders its "
-        "groups [TP, CP, PP, DP], not Megatron's, and uses an interleaved schedule."),
+        Degrees(dp=128, tp=8, pp=16, cp=1, zero=3, keep_gathered=True, microbatches=16,
+                stage_layers=(7,) + (8,) * 14 + (7,)),
+        "Dubey et al. 2024, 'The Llama 3 Herd of Models' (arXiv:2407.21783): Table 3, 126 "
+        "layers, model dimension 16384, FFN dimension 53248, 128 attention heads with 8 "
+        "key/value heads, SwiGLU; Table 4, the 16384-GPU pre-training layout TP 8, CP 1, PP 16, "
+        "DP 128, sequence 8192, 16M tokens per batch (2048 sequences: 16 per data-parallel "
+        "rank); section 3.3.2: 'we reduce one Transformer layer each from the first and the "
+        "last stages' (stage_layers 7, 8, ..., 8, 7), and FSDP that 'shards optimizer states "
+        "and gradients, but for model shards we do not reshard after forward computation' "
+        "(zero=3, keep_gathered=True).",
+        "Assumed: micro-batch 1 (16 micro-batches per replica) and nothing recomputed. Not "
+        "modelled: the embedding and output layers on the first and last stages (which is why "
+        "those stages have a layer fewer), the interleaved schedule (its V is not given), the "
+        "fused kernels and whatever else the run kept out of memory. With these inputs the "
+        "plan does not fit: its activations, counted op by op the GPT way, are most of it. The "
+        "paper orders its groups [TP, CP, PP, DP], not Megatron's."),
 }
-

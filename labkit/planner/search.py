@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .communication import comm_bytes, group_links, step_seconds
+from .communication import comm_bytes, cp_hop_seconds, group_links, step_seconds
 from .describe import (
     DIMENSIONS,
     MEMORY_PARTS,
@@ -21,7 +21,7 @@ from .describe import (
     factors,
     gib,
 )
-from .memory import model_state_bytes, stage_activation_bytes
+from .memory import model_state_bytes, stage_activation_bytes, stage_layers
 
 __all__ = ["Plan", "plan", "check_layout", "layouts", "suggest", "predicted_vs_measured"]
 
@@ -35,8 +35,9 @@ class Plan:
     headroom); ``fits``: ``total <= budget``; ``why``: '' when it fits, else what is too big
     and what would help. ``comm``: bytes each device sends per step by dimension (and
     ``total``); ``links``: intra- or inter-node per dimension; ``seconds``: the estimates of
-    :func:`step_seconds`; ``bubble``: the 1F1B idle fraction ``(pp-1)/(m+pp-1)``;
-    ``warnings``: what is allowed but costly.
+    :func:`step_seconds`; ``bubble``: the 1F1B idle fraction ``(pp-1)/(m+pp-1)``
+    (``(pp-1)/(v m+pp-1)`` interleaved); ``warnings``: what is allowed but costly; ``stage``:
+    the pipeline stage whose device holds the most, the one ``memory`` describes.
     """
 
     model: Model
@@ -51,6 +52,7 @@ class Plan:
     seconds: dict
     bubble: float
     warnings: tuple = field(default=())
+    stage: int = 0
 
     def row(self, label: str | None = None) -> dict:
         """The plan as plain data, for a table or ``plots.planner_plot``."""
@@ -63,13 +65,15 @@ class Plan:
         sent = ", ".join(f"{k} {self.comm[k] / GiB:.3g} GiB ({self.links[k]})"
                          for k in DIMENSIONS if self.comm[k]) or "nothing"
         verdict = "fits" if self.fits else "does not fit"
+        where = f" (stage {self.stage}, the fullest)" if self.degrees.stage_layers else ""
         lines = [f"{self.model.name} on {self.cluster}: {self.degrees}, {self.degrees.m} "
                  f"micro-batch(es) of {self.model.micro_batch}",
-                 f"  memory per device (GiB): {mem}; total {self.memory['total'] / GiB:.2f} of "
-                 f"{self.budget / GiB:.1f} usable: {verdict}",
+                 f"  memory per device{where} (GiB): {mem}; total "
+                 f"{self.memory['total'] / GiB:.2f} of {self.budget / GiB:.1f} usable: {verdict}",
                  f"  sent per device per step: {sent}",
                  f"  seconds per step (rough): compute {self.seconds['compute']:.3g}, bubble "
-                 f"{self.seconds['bubble']:.3g}, communication {self.seconds['comm']:.3g}"]
+                 f"{self.seconds['bubble']:.3g}, communication {self.seconds['comm']:.3g} "
+                 f"exposed of {self.seconds['transfer']:.3g}"]
         lines += [f"  why: {self.why}"] if self.why else []
         lines += [f"  note: {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -81,10 +85,16 @@ def check_layout(model: Model, cluster: Cluster, d: Degrees) -> None:
         raise PlanError(f"dp*tp*pp*cp = {d.dp}*{d.tp}*{d.pp}*{d.cp} = {d.world}, but the "
                         f"cluster has {cluster.devices} devices: every device needs one place "
                         f"in the layout. {_factorizations(cluster.devices, d)}")
-    if model.layers % d.pp:
-        raise PlanError(f"{model.layers} layers do not split into pp={d.pp} equal stages: use "
-                        f"a pp that divides {model.layers}, e.g. "
-                        f"{', '.join(map(str, factors(model.layers)[:6]))}")
+    if d.stage_layers is not None and sum(d.stage_layers) != model.layers:
+        raise PlanError(f"stage_layers={d.stage_layers} hold {sum(d.stage_layers)} layers, the "
+                        f"model has {model.layers}: the stages' counts must add up to them")
+    if d.stage_layers is None and model.layers % (d.pp * d.chunks):
+        what = f"pp={d.pp} equal stages" if d.chunks == 1 else \
+            f"pp*v={d.pp}*{d.chunks} equal chunks"
+        raise PlanError(f"{model.layers} layers do not split into {what}: use a pp (and v) "
+                        f"whose product divides {model.layers}, e.g. "
+                        f"{', '.join(map(str, factors(model.layers)[:6]))}, or give "
+                        f"stage_layers")
     for what, count in (("heads", model.heads), ("kv_heads", model.kv_heads),
                         ("ffn", model.ffn)):
         if count % d.tp:
@@ -133,7 +143,11 @@ def _why(model: Model, cluster: Cluster, d: Degrees, memory: dict) -> str:
     n = d.dp * d.cp
     state = sum(memory[k] for k in ("params", "grads", "optimizer", "buffers"))
     helps = []
-    if biggest in ("params", "grads", "optimizer", "buffers"):
+    if state > cluster.budget:
+        head += (f"; the model state alone ({gib(state)}) is more than the usable memory, so no "
+                 f"activation setting (checkpointing, sequence or context parallelism) can make "
+                 f"it fit")
+    if state > cluster.budget or biggest in ("params", "grads", "optimizer", "buffers"):
         if d.zero < 3 and n > 1:
             stages = [dataclasses.replace(d, zero=z) for z in range(d.zero + 1, 4)]
             figures = ", ".join(f"ZeRO-{z.zero} {gib(sum(model_state_bytes(model, z).values()))}"
@@ -144,7 +158,14 @@ def _why(model: Model, cluster: Cluster, d: Degrees, memory: dict) -> str:
             helps.append("ZeRO has nothing to shard over with dp*cp=1: it needs data-parallel "
                          "ranks")
         helps.append(f"more tp or pp (the model state divides by tp*pp={d.tp * d.pp})")
+        if state > cluster.budget:
+            helps.append("or more devices, or bigger ones")
     else:
+        if not (model.activation_checkpointing or model.selective_recompute
+                or model.flash_attention):
+            sel = dataclasses.replace(model, selective_recompute=True)
+            helps.append(f"selective recomputation of the attention scores "
+                         f"({gib(stage_activation_bytes(sel, d))})")
         if not model.activation_checkpointing:
             ckpt = dataclasses.replace(model, activation_checkpointing=True)
             helps.append(f"activation checkpointing ({gib(stage_activation_bytes(ckpt, d))})")
@@ -168,8 +189,15 @@ def _warnings(model: Model, cluster: Cluster, d: Degrees) -> tuple:
                    f"{cluster.inter_GBps:g} GB/s); keep tp <= {cluster.devices_per_node}")
     if 1 < d.pp and d.m < d.pp:
         out.append(f"{d.m} micro-batch(es) for {d.pp} stages: the bubble is "
-                   f"{(d.pp - 1) / (d.m + d.pp - 1):.0%} of the step; use at least pp, "
-                   f"better 4*pp")
+                   f"{(d.pp - 1) / (d.m * d.chunks + d.pp - 1):.0%} of the step; use at least "
+                   f"pp, better 4*pp")
+    if d.cp > 1:
+        hop, block = cp_hop_seconds(model, cluster, d)
+        if hop > block:
+            out.append(f"cp={d.cp} leaves {model.seq_len // d.cp} tokens per rank: a ring step's "
+                       f"K/V transfer ({hop * 1e6:.3g} us with latency) is longer than the "
+                       f"attention it could hide behind ({block * 1e6:.3g} us), so the ring "
+                       f"only adds messages; use cp for longer sequences")
     return tuple(out)
 
 
@@ -191,18 +219,28 @@ def plan(model: Model, cluster: Cluster, degrees) -> Plan:
     """
     degrees = as_degrees(degrees)
     check_layout(model, cluster, degrees)
-    memory = model_state_bytes(model, degrees)
-    memory["activations"] = stage_activation_bytes(model, degrees)
-    memory = {k: memory[k] for k in MEMORY_PARTS}
-    memory["total"] = sum(memory.values())
+
+    def held(stage: int) -> dict:
+        memory = model_state_bytes(model, degrees, stage)
+        memory["activations"] = stage_activation_bytes(model, degrees, stage)
+        memory = {k: memory[k] for k in MEMORY_PARTS}
+        memory["total"] = sum(memory.values())
+        return memory
+
+    # Equal stages: stage 0 holds the most (the most micro-batches in flight). Unequal ones:
+    # look at each.
+    stages = range(degrees.pp) if degrees.stage_layers else range(1)
+    stage = max(stages, key=lambda k: held(k)["total"])
+    memory = held(stage)
     fits = memory["total"] <= cluster.budget
-    comm = comm_bytes(model, degrees)
+    busiest = max(range(degrees.pp), key=lambda k: stage_layers(model, degrees)[k])
+    comm = comm_bytes(model, degrees, busiest)
     comm["total"] = sum(comm.values())
-    pp, m = degrees.pp, degrees.m
+    pp, m, v = degrees.pp, degrees.m, degrees.chunks
     return Plan(model, cluster, degrees, memory, cluster.budget, fits,
                 "" if fits else _why(model, cluster, degrees, memory), comm,
                 group_links(cluster, degrees), step_seconds(model, cluster, degrees, comm),
-                (pp - 1) / (m + pp - 1), _warnings(model, cluster, degrees))
+                (pp - 1) / (v * m + pp - 1), _warnings(model, cluster, degrees), stage)
 
 
 def layouts(model: Model, cluster: Cluster, *, zero=(0, 1, 2, 3), global_batch: int | None = None,
@@ -242,14 +280,15 @@ def suggest(model: Model, cluster: Cluster, top: int = 5, zero=(0, 1, 2, 3), *,
     """The ``top`` layouts that fit, best first; :class:`PlanError` "fits nowhere" if none does.
 
     Candidates come from :func:`layouts`. They are ranked by ``seconds["overhead"]``, the
-    communication (not overlapped) plus the pipeline bubble: the compute is the same for every
-    layout of one model and batch, so what tells them apart is what each adds to it. Ties go to
-    the smaller memory. An estimate for choosing, not a promise: measure the best few.
+    communication that does not hide behind compute (its latency included) plus the pipeline
+    bubble: the compute is the same for every layout of one model and batch, so what tells them
+    apart is what each adds to it. Ties go to the smaller memory. An estimate for choosing, not
+    a promise: measure the best few.
 
     Example (the 7B model of the module docstring)::
 
         >>> [str(p.degrees) for p in suggest(model, Cluster(devices=8, memory_gib=80), top=2)]
-        ['dp=4 tp=2 pp=1 cp=1 ep=1 zero=1', 'dp=4 tp=2 pp=1 cp=1 ep=1 zero=0']
+        ['dp=1 tp=8 pp=1 cp=1 ep=1 zero=0', 'dp=2 tp=4 pp=1 cp=1 ep=1 zero=3']
     """
     plans = [plan(model, cluster, d) for d in layouts(model, cluster, zero=zero,
                                                        global_batch=global_batch, max_tp=max_tp)]
@@ -261,12 +300,17 @@ def suggest(model: Model, cluster: Cluster, top: int = 5, zero=(0, 1, 2, 3), *,
     fitting = [p for p in plans if p.fits]
     if not fitting:
         least = min(plans, key=lambda p: p.memory["total"])
-        more = ("" if model.activation_checkpointing else
-                ", turn on activation checkpointing (Model(activation_checkpointing=True))")
+        state = least.memory["total"] - least.memory["activations"]
+        if state > cluster.budget:
+            advice = (f"Its model state alone ({gib(state)}) is more than the usable memory, so "
+                      f"no activation setting helps: use more devices or bigger ones.")
+        else:
+            more = ("" if model.activation_checkpointing else
+                    ", turn on activation checkpointing (Model(activation_checkpointing=True))")
+            advice = f"Use more devices, bigger ones{more}, or a smaller micro_batch / seq_len."
         raise PlanError(f"{model.name} fits nowhere on {cluster}: the smallest layout found "
                         f"({least.degrees}) needs {gib(least.memory['total'])} per device, "
-                        f"{gib(cluster.budget)} usable. Use more devices, bigger ones{more}, "
-                        f"or a smaller micro_batch / seq_len.")
+                        f"{gib(cluster.budget)} usable. {advice}")
     fitting.sort(key=lambda p: (p.seconds["overhead"], p.memory["total"]))
     return fitting[:top]
 
