@@ -211,12 +211,16 @@ def planner_explorer(model=None, cluster=None):
     state = {"plan": None, "busy": False}
 
     def current():
-        base, cl, _ = presets[menu.value]
+        base, cl, start = presets[menu.value]
         m = dataclasses.replace(base, micro_batch=micro.value,
                                 activation_checkpointing=ckpt.value)
         inner = sliders["tp"].value * sliders["pp"].value * sliders["cp"].value
-        d = Degrees(dp=max(1, cl.devices // inner), zero=zero.value, microbatches=chunks.value,
-                    sp=sp.value, **{k: s.value for k, s in sliders.items()})
+        # The preset's unequal stages hold for its pp only; its kept-gathered FSDP for ZeRO-3.
+        d = dataclasses.replace(
+            start, dp=max(1, cl.devices // inner), zero=zero.value, microbatches=chunks.value,
+            sp=sp.value, **{k: s.value for k, s in sliders.items()},
+            stage_layers=start.stage_layers if sliders["pp"].value == start.pp else None,
+            keep_gathered=start.keep_gathered and zero.value == 3)
         return m, cl, d
 
     def update(_change=None):
