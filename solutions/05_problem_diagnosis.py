@@ -55,3 +55,27 @@ def my_early_stopping(epochs=10, patience=1):
             print(f"stopping early: no improvement for {worse} epochs", flush=True)
             break
     return {"epochs": len(history), "val": history}
+
+# %% uneven_shards
+def my_train_uneven(model, batches, lr):
+    params = list(model.parameters())
+    dtype, step = params[0].dtype, 0
+    while True:
+        mine = step < len(batches)
+        active = torch.tensor([float(mine)], dtype=dtype)
+        dist.all_reduce(active)  # how many ranks have a batch this step: the same on every rank
+        if active.item() == 0:
+            return  # every rank leaves here, at the same step
+        if mine:
+            x, y = batches[step]
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+        else:
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)  # adds nothing
+        dist.all_reduce(flat)  # every rank takes part, with or without a batch
+        flat /= active  # the mean over the ranks that had a batch
+        with torch.no_grad():
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p -= lr * g.view_as(p)
+        step += 1

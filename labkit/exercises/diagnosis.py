@@ -268,3 +268,161 @@ def early_stop_together(fn, *, timeout: float = 20.0) -> str:
                      f"({yours[0]['val'][:3]} vs {ref['val'][:3]}, ...)", hint)
     return (f"both ranks stopped after {epochs} epochs (the loss over all ranks was best at "
             f"epoch {best}), with labkit's validation losses; no rank left waiting")
+
+
+# ==== challenge: training on uneven shards without a hang =====================================
+# Graded on 2 and 4 ranks, one of them with no batch at all: every rank's weights after the run
+# against the run simulated in one process, and the route (one gradient all-reduce per step that
+# some rank has a batch for, no more; the rest small all-reduces of counts).
+
+_UN_CASES = (("float32", {2: [3, 1], 4: [2, 0, 3, 1]}), ("float64", {2: [0, 2], 4: [1, 1, 0, 2]}))
+_UN_LR = 0.1
+_UN_TIMEOUT = 30.0  # a step takes milliseconds: longer is a rank waiting for a partner
+_UN_TOL = {"float32": 1e-5, "float64": 1e-12}
+_UN_ROUTE = ("each step: one small all-reduce that tells every rank how many ranks still have a "
+             "batch (0 means stop, on every rank at once), then, unless it is 0, one all-reduce "
+             "of the gradients flattened into one tensor (zeros from a rank without a batch), "
+             "divided by that count")
+
+
+def _un_model(dtype: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1)).to(getattr(torch, dtype))
+
+
+def _un_batches(world: int, rank: int, n: int, dtype: str):
+    import torch
+
+    g = torch.Generator().manual_seed(100 * world + rank)
+    return [(torch.randn(2, 3, generator=g).to(getattr(torch, dtype)),
+             torch.randn(2, 1, generator=g).to(getattr(torch, dtype))) for _ in range(n)]
+
+
+def _uneven_worker(fn) -> list[dict]:
+    """Each rank, each case: ``fn(model, batches, lr)`` on its own shard; weights, calls."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from ..parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype, lengths in _UN_CASES:
+        lens = lengths[world]
+        shards = [_un_batches(world, r, n, dtype) for r, n in enumerate(lens)]
+        ref = _un_model(dtype)  # the run in one process: each step, the ranks that have a batch
+        for step in range(max(lens)):
+            active = [s[step] for s in shards if step < len(s)]
+            grads = []
+            for x, y in active:
+                ref.zero_grad()
+                nn.functional.mse_loss(ref(x), y).backward()
+                grads.append([p.grad.clone() for p in ref.parameters()])
+            with torch.no_grad():
+                for k, p in enumerate(ref.parameters()):
+                    p -= _UN_LR * sum(g[k] for g in grads) / len(grads)
+        model = _un_model(dtype)
+        with traffic.count_traffic() as t:
+            fn(model, shards[rank], _UN_LR)
+        out.append({"dtype": dtype, "lengths": lens,
+                    "calls": [(c.op, c.payload_bytes) for c in t.calls],
+                    "params": [p.detach().clone() for p in model.parameters()],
+                    "ref": [p.detach().clone() for p in ref.parameters()],
+                    "initial": [p.detach().clone() for p in _un_model(dtype).parameters()],
+                    "numel": sum(p.numel() for p in model.parameters())})
+    return out
+
+
+def _un_on_ranks(fn, world: int) -> list:
+    try:
+        return on_ranks(_uneven_worker, fn, nproc=world, timeout=_UN_TIMEOUT)
+    except NotYet as wrong:
+        if not wrong.stuck:
+            raise NotYet(f"on {world} ranks: {wrong.detail}", wrong.hint) from None
+        raise NotYet(f"on {world} ranks (batches per rank {_UN_CASES[0][1][world]}): "
+                     f"{wrong.detail}", "a rank that ran out of batches stopped calling "
+                     "all_reduce while another still had some, and that one waits for a partner "
+                     "forever. No rank may leave the loop on its own data: " + _UN_ROUTE,
+                     stuck=wrong.stuck) from None
+
+
+@exercise("uneven_shards", notebook=NOTEBOOK, title="challenge: uneven shards without a hang")
+def uneven_shards(fn, worlds=(2, 4)) -> str:
+    """Challenge: ``fn(model, batches, lr)`` trains on this rank's shard, of any length.
+
+    Run on real gloo ranks (``worlds``) with shards of different lengths, one rank with none
+    (and, on 4 ranks, two), in float32 and float64: every rank's weights must equal the run
+    simulated in one process (each step's update the mean gradient of the ranks that had a
+    batch), and each rank must make exactly one gradient all-reduce per step that some rank had
+    a batch for, its other calls small ones of counts.
+
+    Example::
+
+        >>> exercise.uneven_shards(my_train_uneven)
+        [pass] challenge: uneven shards without a hang: on 2 and 4 ranks ...
+    """
+    for world in worlds:
+        ranks = _un_on_ranks(fn, world)
+        for k in range(len(_UN_CASES)):
+            _un_replicas(world, [per_case[k] for per_case in ranks])
+        for rank, per_case in enumerate(ranks):
+            for got in per_case:
+                _un_judge(world, rank, got)
+    return (f"on {' and '.join(map(str, worlds))} ranks, float32 and float64, shards of "
+            f"different lengths (one empty): every rank ends with the weights of the run in one "
+            f"process, after one gradient all-reduce per step and no more")
+
+
+def _un_replicas(world: int, per_rank: list[dict]) -> None:
+    """Raise NotYet if the ranks ended with different weights, naming a rank that never moved."""
+    first = per_rank[0]
+    if all(float((p - q).abs().max()) == 0 for got in per_rank[1:]
+           for p, q in zip(got["params"], first["params"], strict=True)):
+        return
+    where = f"on {world} ranks (batches per rank {first['lengths']}), {first['dtype']}"
+    still = [r for r, got in enumerate(per_rank)
+             if all(float((p - q).abs().max()) == 0
+                    for p, q in zip(got["params"], got["initial"], strict=True))]
+    said = (f"rank {still[0]}'s weights never changed" if still
+            else "the ranks ended with different weights")
+    raise NotYet(f"{where}: {said}", "a rank without a batch of its own still applies every "
+                 "step's averaged update: all ranks take the same steps, or the replicas drift "
+                 "apart")
+
+
+def _un_judge(world: int, rank: int, got: dict) -> None:
+    dtype, lens = got["dtype"], got["lengths"]
+    where = f"on {world} ranks (rank {rank}, batches per rank {lens}), {dtype}"
+    tol = _UN_TOL[dtype]
+    gap = max(float((p.double() - r.double()).abs().max())
+              for p, r in zip(got["params"], got["ref"], strict=True))
+    if gap > tol:
+        raise NotYet(f"{where}: rank {rank}'s weights differ from the run in one process by "
+                     f"{gap:.2g}", "each step's gradient is the mean over the ranks that had a "
+                     "batch in that step: divide the all-reduced sum by their count (not by the "
+                     "world size: a rank without a batch adds zeros, not a gradient), and every "
+                     "rank applies p -= lr * that mean")
+    esize = got["params"][0].element_size()
+    grad_bytes = got["numel"] * esize
+    calls = got["calls"]
+    others = sorted({op for op, b in calls if b > 8 * world and b != grad_bytes})
+    big = [op for op, b in calls if b == grad_bytes]
+    if others or any(op != "all_reduce" for op in big):
+        raise NotYet(f"{where}: rank {rank} made {[op for op, _ in calls]} of "
+                     f"{[b for _, b in calls]} bytes", _UN_ROUTE)
+    steps = max(lens)
+    if len(big) != steps:
+        extra = (" (an all-reduce of zeros from every rank once all had run out)"
+                 if len(big) == steps + 1 else "")
+        raise NotYet(f"{where}: rank {rank} all-reduced the gradients {len(big)} times{extra}; "
+                     f"some rank had a batch in {steps} steps",
+                     "learn whether any rank has a batch left before sending gradients: "
+                     + _UN_ROUTE)
+    if len(calls) - len(big) > steps + 1:
+        raise NotYet(f"{where}: rank {rank} made {len(calls) - len(big)} small calls for "
+                     f"{steps} steps", "one count per step (and one more to learn that all "
+                     "ranks are done) is enough: " + _UN_ROUTE)
