@@ -6,9 +6,11 @@ Nothing here imports torch: TensorFlow workers import this module too.
 
 A run folder holds ``job.pkl`` (a :class:`Job`), and per rank ``pid-<rank>`` (JSON: pid,
 local rank), ``stack-<rank>.txt`` (faulthandler's dumps) and the outcome, ``result-<rank>.pkl``
-or ``error-<rank>.pkl``. A warm pool's folder also holds ``fifo-<rank>``, the named pipe its
-rank blocks on, and ``task-<n>.pkl`` (a :class:`Task`) while run ``n`` is in progress; the
-controller removes each run's task and outcome files before it sends the next run.
+or ``error-<rank>.pkl``; torchrun's agent adds ``exit-<pid>`` as each rank process ends. A
+warm pool's folder also holds ``fifo-<rank>``, the named pipe its rank blocks on,
+``task-<n>.pkl`` (a :class:`Task`) while run ``n`` is in progress, and ``retire-<rank>.txt``
+after a run that changed what the rank cannot put back; the controller removes each run's
+task and outcome files before it sends the next run.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ QUIT = b"q"  # leave the serve loop and exit cleanly
 # The line a warm rank prints after a run's result or error is written and its output flushed:
 # once every rank's has arrived, the controller has all of that run's output.
 END_OF_TASK = "\x1elabkit-end-of-task "
+# The end of a piece of a line too long for one atomic write to the shared pipe: the line goes
+# on in the rank's next piece.
+CONTINUES = "\x1elabkit-continues"
 
 
 def pid_file(rank: int | str) -> str:
@@ -63,8 +68,20 @@ def task_file(number: int | str) -> str:
     return f"task-{number}.pkl"
 
 
+def retire_file(rank: int | str) -> str:
+    """Written by a warm rank whose run changed what it cannot put back: why (text). The
+    controller replaces the pool before the next run."""
+    return f"retire-{rank}.txt"
+
+
+def exit_file(pid: int | str) -> str:
+    """Written by torchrun's agent when a rank process ends: its exit status as Popen gives it
+    (-N: killed by signal N). The only record of a rank that ended with code 0 unasked."""
+    return f"exit-{pid}"
+
+
 PIDS, RESULTS, ERRORS = pid_file("*"), result_file("*"), error_file("*")  # glob patterns
-READY = ready_file("*")
+READY, RETIRES = ready_file("*"), retire_file("*")
 
 
 def rank_of(name: str) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import select
 import shutil
 import signal
 import sys
@@ -21,6 +22,7 @@ import time
 import traceback
 
 from ._protocol import (
+    CONTINUES,
     CONTROLLER_PID,
     CONTROLLER_START,
     JOB_FILE,
@@ -35,6 +37,7 @@ from ._protocol import (
     process_start_time,
     ready_file,
     result_file,
+    retire_file,
     stack_file,
     task_file,
 )
@@ -45,12 +48,16 @@ def _env_int(name: str, default: int = 0) -> int:
 
 
 def _prefix_output(rank: int) -> threading.Thread:
-    """Route fds 1 and 2 through a pipe so every line, C++ logs included, starts with the rank."""
+    """Route fds 1 and 2 through a pipe so every line, C++ logs included, starts with the rank.
+
+    The pipe's write end stays open here too (``thread.writer``): labkit's own lines (a warm
+    run's end-of-task mark) and a warm rank's fds 1 and 2 after a run go through it, whatever
+    the run did to fds 1 and 2 themselves.
+    """
     read_fd, write_fd = os.pipe()
     upstream = os.dup(1)
     os.dup2(write_fd, 1)
     os.dup2(write_fd, 2)
-    os.close(write_fd)
     prefix = f"[rank{rank}] ".encode()
 
     def pump():
@@ -61,17 +68,66 @@ def _prefix_output(rank: int) -> threading.Thread:
                 break
             pending += chunk
             *lines, pending = pending.split(b"\n")
-            if lines:
-                # One write per batch keeps lines whole when ranks interleave.
-                os.write(upstream, b"".join(prefix + line + b"\n" for line in lines))
-        if pending:
-            os.write(upstream, prefix + pending + b"\n")
+            whole = len(pending) // _PIECE * _PIECE  # a long unfinished line: its full pieces
+            while 0 < whole < len(pending) and pending[whole] & 0xC0 == 0x80:
+                whole -= 1  # not inside a UTF-8 character: the controller decodes each piece
+            _send(upstream, prefix, lines, pending[:whole])
+            pending = pending[whole:]
+        _send(upstream, prefix, [pending] if pending else [])
         os.close(read_fd)
 
     thread = threading.Thread(target=pump, name="labkit-output", daemon=True)
     thread.start()
     thread.upstream = upstream  # type: ignore[attr-defined]
+    thread.writer = write_fd  # type: ignore[attr-defined]
     return thread
+
+
+# Every rank writes into the one pipe the controller reads, and a pipe keeps a write whole only
+# up to PIPE_BUF bytes (4096 on Linux, pipe(7)): a larger one can be split by another rank's.
+# So each write carries whole prefixed lines and at most PIPE_BUF bytes; a line too long for one
+# is sent in pieces, each but the last ending with CONTINUES, which the controller joins again.
+_CONTINUES = CONTINUES.encode()
+_PIECE = select.PIPE_BUF - 64 - len(_CONTINUES)  # room for the prefix, the mark and the newline
+
+
+def _send(fd: int, prefix: bytes, lines: list[bytes], unfinished: bytes = b"") -> None:
+    """Write ``lines`` (and the full pieces of an ``unfinished`` one) as prefixed lines."""
+    batch = b""
+    for line in lines:
+        for frame in _frames(prefix, line, last=True):
+            if len(batch) + len(frame) > select.PIPE_BUF:
+                _write_all(fd, batch)
+                batch = b""
+            batch += frame
+    for frame in _frames(prefix, unfinished, last=False):
+        if len(batch) + len(frame) > select.PIPE_BUF:
+            _write_all(fd, batch)
+            batch = b""
+        batch += frame
+    if batch:
+        _write_all(fd, batch)
+
+
+def _frames(prefix: bytes, line: bytes, last: bool) -> list[bytes]:
+    """One line as prefixed lines of at most PIPE_BUF bytes; with ``last=False`` every piece
+    is marked as continued (the line's end comes later)."""
+    pieces = []
+    while len(line) > _PIECE or (line and not last):
+        cut = min(_PIECE, len(line))
+        while 0 < cut < len(line) and line[cut] & 0xC0 == 0x80:
+            cut -= 1  # not inside a UTF-8 character: the controller decodes each piece
+        cut = cut or min(_PIECE, len(line))
+        pieces.append(prefix + line[:cut] + _CONTINUES + b"\n")
+        line = line[cut:]
+    if last:
+        pieces.append(prefix + line + b"\n")
+    return pieces
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _close_output(thread: threading.Thread) -> None:
@@ -83,6 +139,7 @@ def _close_output(thread: threading.Thread) -> None:
             pass
     os.dup2(thread.upstream, 1)  # type: ignore[attr-defined]
     os.dup2(thread.upstream, 2)  # type: ignore[attr-defined]
+    os.close(thread.writer)  # type: ignore[attr-defined]
     thread.join(timeout=2.0)
 
 
@@ -184,7 +241,7 @@ def _bind_device(job: Job, local_rank: int):
     return torch.device("cuda", gpu)
 
 
-def _init_torch(job: Job, device, namespace: str = ""):
+def _init_torch(job: Job, device, namespace: str = "", init=None):
     import torch.distributed as dist
 
     kwargs = {}
@@ -194,12 +251,18 @@ def _init_torch(job: Job, device, namespace: str = ""):
     # dead attempt's keys stay in it: the new ranks could read the old ranks' addresses and
     # fail to connect. A prefix per attempt gives each attempt a clean namespace.
     # (A warm rank that forms its group again after a run adds a namespace of that run's own.)
+    global _STORE
     store, rank, world_size = next(dist.rendezvous("env://"))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"labkit/attempt-{attempt}{namespace}"
-    dist.init_process_group(job.backend, store=dist.PrefixStore(prefix, store),
-                            rank=rank, world_size=world_size, **kwargs)
+    # Kept apart from the group: the ranks still meet through it after a run destroyed the group.
+    _STORE = dist.PrefixStore(prefix, store)
+    (init or dist.init_process_group)(job.backend, store=dist.PrefixStore(prefix, store),
+                                      rank=rank, world_size=world_size, **kwargs)
     return dist
+
+
+_STORE = None  # the rendezvous store under this attempt's prefix, once the group is formed
 
 
 def _tf_config(job: Job, rank: int) -> None:
@@ -209,15 +272,15 @@ def _tf_config(job: Job, rank: int) -> None:
     )
 
 
-def _wait_for_peers(dist, world_size: int) -> None:
+def _wait_for_peers(world_size: int) -> None:
     """Finished ranks wait (off the collectives' path) until every rank is done.
 
     A rank that returns early must not tear down the group under ranks still in a
     collective: they would fail with a connection error instead of showing the real hang.
+    They meet in the rendezvous store, not the group's: a run may have destroyed its group.
     """
-    store = dist.distributed_c10d._get_default_store()
-    store.add("labkit/done", 1)
-    while int(store.add("labkit/done", 0)) < world_size:
+    _STORE.add("labkit/done", 1)
+    while int(_STORE.add("labkit/done", 0)) < world_size:
         time.sleep(0.05)
 
 
@@ -255,7 +318,7 @@ def main(run_dir: str) -> int:
             name="labkit-watchdog",
             daemon=True,
         ).start()
-        code = _main_body(run_dir, rank, local_rank, world_size, cloudpickle)
+        code = _main_body(run_dir, rank, local_rank, world_size, cloudpickle, pump.writer)
         _close_output(pump)
     if "tensorflow" in sys.modules:
         # At exit the garbage collector walks every object, seconds with TensorFlow's hundreds
@@ -280,7 +343,7 @@ def _load_job(path: str, cloudpickle) -> Job | Task:
     return cloudpickle.loads(outer["job"])
 
 
-def _main_body(run_dir, rank, local_rank, world_size, cloudpickle) -> int:
+def _main_body(run_dir, rank, local_rank, world_size, cloudpickle, output: int) -> int:
     dist = None
     try:
         job = _load_job(os.path.join(run_dir, JOB_FILE), cloudpickle)
@@ -290,7 +353,7 @@ def _main_body(run_dir, rank, local_rank, world_size, cloudpickle) -> int:
         elif job.mode != "script":
             dist = _init_torch(job, device)
         if job.mode == "serve":
-            return _serve(run_dir, rank, job, device, cloudpickle)
+            return _serve(run_dir, rank, job, device, cloudpickle, output)
         if job.mode != "script":  # a script forms its group itself: its timeout counts from start
             _write(run_dir, ready_file(rank), b"")
         value = _to_cpu(_run(job, rank))
@@ -299,9 +362,10 @@ def _main_body(run_dir, rank, local_rank, world_size, cloudpickle) -> int:
         return 1
     if not _report(run_dir, rank, value, cloudpickle):
         return 1
-    if dist is not None and dist.is_initialized():
-        _wait_for_peers(dist, world_size)
-        dist.destroy_process_group()
+    if dist is not None:
+        _wait_for_peers(world_size)
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
@@ -323,7 +387,7 @@ def _report(run_dir: str, rank: int, value, cloudpickle) -> bool:
 # ---- warm ranks: the "serve" job --------------------------------------------------------------
 
 
-def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle) -> int:
+def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle, output: int) -> int:
     """A warm rank: with the group formed once, run task after task until told to stop.
 
     The rank blocks in read() on its FIFO, which costs no CPU while idle; the controller's one
@@ -331,10 +395,10 @@ def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle) -> int:
     """
     import torch.distributed as dist
 
-    slate = _Slate(job, device)
+    slate = _Slate(job, device, output)
     fifo = os.open(os.path.join(run_dir, fifo_file(rank)), os.O_RDONLY)
     try:
-        _mark_end(0)  # the process group is formed: ready for task 1
+        _mark_end(0, output)  # the process group is formed: ready for task 1
         number = 0
         while os.read(fifo, 1) == RUN_TASK:
             number += 1
@@ -342,15 +406,17 @@ def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle) -> int:
             try:
                 # After _serve_one returned: the run's locals are gone, so what still holds
                 # CUDA memory now is really kept alive by the run.
-                slate.restore(rank, number)
+                retire = slate.restore(rank, number)
             except BaseException as exc:  # noqa: BLE001 - the controller must stop this pool
                 what = (f"the warm rank {rank} could not restore its state after the run: "
                         f"{type(exc).__name__}: {exc}. The warm workers are stopped; the next "
                         "warm run starts fresh ones")
                 _write(run_dir, error_file(rank), _error_payload(exc, rank, what))
-                _mark_end(number)
+                _mark_end(number, output)
                 return 1
-            _mark_end(number)
+            if retire:
+                _write(run_dir, retire_file(rank), retire.encode())
+            _mark_end(number, output)
     finally:
         os.close(fifo)
     if not _controller_alive():
@@ -378,8 +444,9 @@ def _serve_one(run_dir: str, rank: int, number: int, cloudpickle, slate: _Slate)
 _LIBC = None
 
 
-def _mark_end(number: int) -> None:
-    """Flush every layer of output, then print the end-of-task line behind it."""
+def _mark_end(number: int, output: int) -> None:
+    """Flush every layer of output, then write the end-of-task line behind it into ``output``,
+    the pipe fds 1 and 2 were given at the start (the run may have pointed them elsewhere)."""
     global _LIBC
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -396,38 +463,58 @@ def _mark_end(number: int) -> None:
         _LIBC.fflush(None)
     except (OSError, AttributeError):
         pass
-    os.write(1, end_of_task(number))
+    _write_all(output, end_of_task(number))
 
 
 def _backend_flags(torch) -> list[tuple[object, str]]:
-    """The global switches of torch's backends that a run may flip (cuDNN, TF32, reductions)."""
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    return [(cudnn, "enabled"), (cudnn, "benchmark"), (cudnn, "deterministic"),
-            (cudnn, "allow_tf32"), (matmul, "allow_tf32"),
-            (matmul, "allow_fp16_reduced_precision_reduction"),
-            (matmul, "allow_bf16_reduced_precision_reduction")]
+    """The global switches of torch's backends that a run may flip (cuDNN, oneDNN, TF32,
+    reduced-precision reductions, opt_einsum)."""
+    cudnn, matmul, mkldnn = torch.backends.cudnn, torch.backends.cuda.matmul, torch.backends.mkldnn
+    flags = [(cudnn, "enabled"), (cudnn, "benchmark"), (cudnn, "deterministic"),
+             (cudnn, "allow_tf32"), (matmul, "allow_tf32"),
+             (matmul, "allow_fp16_reduced_precision_reduction"),
+             (matmul, "allow_bf16_reduced_precision_reduction"),
+             (mkldnn, "enabled"), (mkldnn, "deterministic"), (mkldnn, "allow_tf32"),
+             (torch.backends.opt_einsum, "enabled"), (torch.backends.opt_einsum, "strategy")]
+    return [(obj, name) for obj, name in flags if hasattr(obj, name)]
+
+
+_SDP = ("flash", "mem_efficient", "math", "cudnn")  # torch.backends.cuda.<name>_sdp_enabled()
+_POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def _flushes_denormals(torch) -> bool:
+    """Whether torch.set_flush_denormal(True) is in force (there is no getter): a denormal
+    number then reads as zero."""
+    return (torch.tensor(1e-310, dtype=torch.float64) * 0.5).item() == 0.0
 
 
 class _Slate:
     """What a fresh rank starts with, captured once before the first run, put back after each.
 
-    Only what is cheap to reset is reset; what persists between runs is listed in the docstring
-    of ``labkit.workers``.
+    Only what is cheap to reset is reset; what cannot be put back (the inter-op thread count,
+    a process group the run formed through the shared store) retires the rank: the controller
+    replaces the pool before the next run. What persists between runs is listed in the
+    docstring of ``labkit.workers``.
     """
 
-    def __init__(self, job: Job, device):
+    def __init__(self, job: Job, device, output: int):
         import warnings
 
         import torch
         import torch.distributed as dist
 
         self.job, self.device, self.torch, self.dist = job, device, torch, dist
+        self.output = output
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
+        self.umask = os.umask(0o077)
+        os.umask(self.umask)
         self.sys_path, self.argv = list(sys.path), list(sys.argv)
         self.streams = (sys.stdout, sys.stderr)
         self.warning_filters = list(warnings.filters)
         self.threads = torch.get_num_threads()
+        self.interop = torch.get_num_interop_threads()
         self.dtype = torch.get_default_dtype()
         self.default_device = torch.get_default_device()
         self.grad = torch.is_grad_enabled()
@@ -435,12 +522,53 @@ class _Slate:
         self.deterministic = (torch.are_deterministic_algorithms_enabled(),
                               torch.is_deterministic_algorithms_warn_only_enabled())
         self.precision = torch.get_float32_matmul_precision()
+        self.print_options = torch._tensor_str.get_printoptions()
+        self.denormal = _flushes_denormals(torch)
         self.flags = [(obj, name, getattr(obj, name)) for obj, name in _backend_flags(torch)]
+        self.sdp = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in _SDP
+                    if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")}
+        self.world, self.world_size = dist.group.WORLD, dist.get_world_size()
         self.groups = self._groups()
         self.cuda_bytes = torch.cuda.memory_allocated(device) if device is not None else 0
+        self.called: set[str] = set()  # the one-way calls below that this run made
+        self._init_group = dist.init_process_group  # labkit's own forming, unwatched
+        c10d = dist.distributed_c10d
+        self._watch((torch,), "set_num_interop_threads")
+        for name in ("init_process_group", *_POINT_TO_POINT):
+            # Both names: the user's dist.send, and c10d's own calls (send_object_list's).
+            self._watch((dist, c10d), name)
 
     def _groups(self) -> set:
         return set(self.dist.distributed_c10d._world.pg_map)
+
+    def _watch(self, modules: tuple, name: str) -> None:
+        """Note a run's successful call of ``name`` (in each of ``modules``): its effect
+        outlives the run.
+
+        ``torch.set_num_interop_threads`` works once per process; a group the run formed
+        through the ranks' shared store (env://) leaves keys there that the next run's group
+        would read again, naming ranks that are gone. Either way only fresh ranks give the next
+        run what a cold one gets. A point-to-point message the run left unmatched (an isend
+        nobody received) would be received by the next run's recv: after a run that sent or
+        received any, the ranks form the default group again.
+        """
+        real = getattr(modules[0], name)
+
+        def watched(*args, **kwargs):
+            out = real(*args, **kwargs)
+            self.called.add(name)
+            return out
+
+        watched.__doc__, watched.__name__, watched.__wrapped__ = real.__doc__, name, real
+        for module in modules:
+            setattr(module, name, watched)
+
+    def _any_rank_lost_it(self, rank: int, number: int, lost: bool) -> bool:
+        """Tell the other ranks whether this one lost the default group; whether any did."""
+        keys = [f"labkit/task-{number}/lost-{r}" for r in range(self.world_size)]
+        _STORE.set(keys[rank], "1" if lost else "0")
+        _STORE.wait(keys)
+        return any(_STORE.get(key) == b"1" for key in keys)
 
     def begin(self, task: Task) -> None:
         """Start a run as a fresh process would: new random seeds, the controller's cwd and env."""
@@ -463,12 +591,13 @@ class _Slate:
         if self.device is not None:
             self.torch.cuda.reset_peak_memory_stats(self.device)
 
-    def restore(self, rank: int, number: int) -> None:
-        """Put back what a run changed; say so if it left CUDA tensors alive."""
+    def restore(self, rank: int, number: int) -> str:
+        """Put back what a run changed; say so if it left CUDA tensors alive. Returns why the
+        rank must be replaced before the next run ('' if it need not)."""
         import warnings
 
-        torch, dist = self.torch, self.dist
-        sys.stdout, sys.stderr = self.streams
+        torch = self.torch
+        self._restore_output()
         if warnings.filters != self.warning_filters:  # first: "error" would break what follows
             warnings.filters[:] = self.warning_filters
         # A new filters version makes "shown once" warnings show again, as in a fresh process.
@@ -480,13 +609,8 @@ class _Slate:
             if os.environ.get(key) != value:
                 os.environ[key] = value
         os.chdir(self.cwd)
-        if not dist.is_initialized():
-            # The run destroyed the default group (a script's habit): the next run needs one.
-            # Every rank does the same, so they meet again under a namespace of this run's.
-            _init_torch(self.job, self.device, f"/after-task-{number}")
-            self.groups = self._groups()
-        for group in self._groups() - self.groups:
-            dist.destroy_process_group(group)  # subgroups hold sockets or NCCL communicators
+        os.umask(self.umask)
+        retire = self._restore_groups(rank, number)
         # Each switch is set only if the run changed it: the first call of some of them costs
         # seconds (use_deterministic_algorithms imports half of torch's compiler stack).
         if torch.get_num_threads() != self.threads:
@@ -508,8 +632,64 @@ class _Slate:
         for obj, name, value in self.flags:
             if getattr(obj, name) != value:
                 setattr(obj, name, value)
+        for name, on in self.sdp.items():
+            if getattr(torch.backends.cuda, f"{name}_sdp_enabled")() != on:
+                getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
+        if torch._tensor_str.get_printoptions() != self.print_options:
+            torch.set_printoptions(**self.print_options)
+        torch.set_flush_denormal(self.denormal)  # no getter; one register write, cheap
         if self.device is not None:
             self._cuda_memory(rank)
+        if "set_num_interop_threads" in self.called or (
+                torch.get_num_interop_threads() != self.interop):
+            retire = retire or ("the last run set the number of inter-op threads, which a "
+                                "process can do once only")
+        self.called.clear()
+        return retire
+
+    def _restore_output(self) -> None:
+        """Point fds 1 and 2 at the output pipe again and give Python working streams."""
+        try:
+            pipe = os.fstat(self.output)
+        except OSError:  # closed under us: the output is lost, nothing to put back
+            return
+        for fd in (1, 2):
+            try:
+                now = os.fstat(fd)
+                same = (now.st_dev, now.st_ino) == (pipe.st_dev, pipe.st_ino)
+            except OSError:  # the run closed it
+                same = False
+            if not same:
+                os.dup2(self.output, fd)
+        streams = []
+        for fd, stream in zip((1, 2), self.streams, strict=True):
+            if stream.closed:  # the run closed sys.stdout itself: a new one on the same fd
+                stream = open(fd, "w", buffering=1, closefd=False)  # noqa: SIM115
+            streams.append(stream)
+        sys.stdout, sys.stderr = self.streams = tuple(streams)
+
+    def _restore_groups(self, rank: int, number: int) -> str:
+        """Destroy the groups the run made, and form the default group again if the run
+        destroyed or replaced it on any rank; returns why the rank must be replaced ('' if it
+        need not)."""
+        dist = self.dist
+        world = dist.group.WORLD if dist.is_initialized() else None
+        for group in self._groups() - self.groups - {world}:
+            dist.destroy_process_group(group)  # subgroups hold sockets or NCCL communicators
+        # A rank that lost the default group cannot form it again alone: it would wait for
+        # peers that still have theirs. So the ranks agree, through the store, whether all do.
+        lost = world is not self.world or not self.called.isdisjoint(_POINT_TO_POINT)
+        if not self._any_rank_lost_it(rank, number, lost=lost):
+            return ""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # The next run needs a default group (a script's habit is to destroy it). Every rank
+        # forms it again, and they meet under a namespace of this run's.
+        _init_torch(self.job, self.device, f"/after-task-{number}", self._init_group)
+        self.world, self.groups = self.dist.group.WORLD, self._groups()
+        if "init_process_group" in self.called:
+            return "the last run formed a process group of its own"
+        return ""
 
     def _cuda_memory(self, rank: int) -> None:
         """Give the cached CUDA memory back; report tensors that the run left alive."""

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ._progress import MARKER, ProgressBars
 from ._protocol import (
+    CONTINUES,
     CONTROLLER_PID,
     CONTROLLER_START,
     END_OF_TASK,
@@ -37,12 +38,14 @@ from ._protocol import (
     QUIT,
     READY,
     RESULTS,
+    RETIRES,
     RUN_PREFIX,
     RUN_TASK,
     STACK_SIGNAL,
     Job,
     Task,
     error_file,
+    exit_file,
     fifo_file,
     process_start_time,
     rank_of,
@@ -202,19 +205,24 @@ def launch(
         if result is not None:
             return result  # (None: the pool is busy with a run of another thread: go cold)
     run_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))  # mkdtemp makes it 0700
-    try:
+    started: list[_Run] = []
+
+    def cleanup():  # whatever ended the run: no process, and no folder unless asked to keep it
+        for run in started:
+            _stop(run)
+        if keep_run_dir:
+            print(f"[labkit] run folder kept: {run_dir}")
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    with _Shield(cleanup):
         _write_job(run_dir, job)
         command = _torchrun_command(run_dir, nproc, nnodes, node_rank, rdzv_endpoint,
                                     max_restarts)
         if nnodes > 1:
             _print_other_nodes(fn, nproc, nnodes, node_rank, rdzv_endpoint)
-        run = _start(run_dir, command, _worker_env(nproc, gpus, extra_env))
-        return _supervise(run, job, nproc, timeout, show_ranks, command, max_restarts)
-    finally:
-        if keep_run_dir:
-            print(f"[labkit] run folder kept: {run_dir}")
-        else:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        started.append(_start(run_dir, command, _worker_env(nproc, gpus, extra_env)))
+        return _supervise(started[0], job, nproc, timeout, show_ranks, command, max_restarts)
 
 
 def _validate(fn, args, kwargs, nproc, backend, timeout, framework, nnodes, node_rank,
@@ -412,16 +420,35 @@ def _torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
 # torchrun, but asked (PR_SET_PDEATHSIG) to get SIGTERM when the controller dies for any reason,
 # SIGKILL included: the agent then stops its workers itself, and removes the run folder that the
 # dead controller no longer can. Runs torchrun in this same process (no extra interpreter).
-# torchrun turns SIGTERM into an exception: a second one (a rank's watchdog sends it too) must
-# not cut the clean-up short, so it is ignored from then on.
+# SIGTERM raises SystemExit from the first line on (Python's default would end the process
+# without the clean-up), until torchrun installs its own handler, which raises too; a second one
+# (a rank's watchdog sends it too) must not cut the clean-up short, so it is ignored from then on.
+# Each rank's exit status is written to the run folder as the agent reaps it (exit_file): torchrun
+# reports non-zero codes only, and the controller is no parent of the ranks to see them itself.
 _AGENT_BOOT = (
-    "import os,sys,signal,shutil\n"
+    "import os,sys,signal,shutil,subprocess\n"
     "parent, run_dir = int(sys.argv[1]), sys.argv[-1]\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    import ctypes; ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))\n"
-    "    if os.getppid() != parent: sys.exit('labkit: controller exited before start')\n"
-    "sys.argv = ['torchrun'] + sys.argv[2:]\n"
+    "def stop(*_): sys.exit('labkit: stopped')\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "def noting(method):\n"
+    "    def noted(self, *args, **kwargs):\n"
+    "        out = method(self, *args, **kwargs)\n"
+    "        if self.returncode is not None and not getattr(self, 'labkit_noted', False):\n"
+    "            self.labkit_noted = True\n"
+    "            path = os.path.join(run_dir, 'exit-%d' % self.pid)\n"
+    "            try:\n"
+    "                with open(path + '.tmp', 'w') as f: f.write(str(self.returncode))\n"
+    "                os.replace(path + '.tmp', path)\n"
+    "            except OSError: pass\n"
+    "        return out\n"
+    "    return noted\n"
+    "subprocess.Popen.poll = noting(subprocess.Popen.poll)\n"
+    "subprocess.Popen.wait = noting(subprocess.Popen.wait)\n"
     "try:\n"
+    "    if sys.platform.startswith('linux'):\n"
+    "        import ctypes; ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))\n"
+    "    if os.getppid() != parent: sys.exit('labkit: controller exited before start')\n"
+    "    sys.argv = ['torchrun'] + sys.argv[2:]\n"
     "    import runpy\n"
     "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
     "finally:\n"
@@ -464,97 +491,191 @@ def _start(run_dir: Path, command: list[str], env: dict) -> _Run:
     return _Run(run_dir, proc, lines, {}, reader)
 
 
+class _Shield:
+    """Runs ``cleanup`` when the block ends, however it ends, and lets no interrupt cut it short.
+
+    In the main thread (where SIGINT lands), the first SIGINT inside the block interrupts as
+    usual (KeyboardInterrupt); later ones, and every one once the cleanup has begun, wait until
+    it is over: a learner pressing stop again and again must not leave ranks alive (SIGTERM
+    sent, SIGKILL never) or a run folder behind. If one arrived during a cleanup after a block
+    that ended normally, KeyboardInterrupt is raised after it.
+    """
+
+    def __init__(self, cleanup):
+        self.cleanup, self.armed, self.deferred, self.handler = cleanup, True, 0, None
+
+    def __enter__(self) -> _Shield:
+        if threading.current_thread() is threading.main_thread():
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):  # SIG_IGN / SIG_DFL: nothing Python sees, nothing to defer
+                self.handler = handler
+                signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def _interrupt(self, signum, frame):
+        if not self.armed:
+            self.deferred += 1
+            return
+        self.armed = False  # before the handler raises: one interrupt per block, no more
+        self.handler(signum, frame)
+        self.armed = True  # a handler that did not raise: the next interrupt goes to it too
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.armed = False
+        finally:
+            try:
+                self.cleanup()
+            finally:
+                if self.handler is not None:
+                    signal.signal(signal.SIGINT, self.handler)
+        if self.deferred and exc_type is None:
+            raise KeyboardInterrupt
+
+
 def _supervise(run: _Run, job: Job, nproc: int, timeout, show_ranks, command,
                max_restarts: int = 0, task: _Task | None = None) -> LaunchResult:
     """Stream output, watch for failure and timeout, and always leave no process behind.
 
     With ``task`` (a run on warm workers) the run ends when every rank has marked the task's
-    end, and its processes are stopped only if it failed.
+    end, and its processes are stopped only if it failed. The clock is the controller's own:
+    whatever the ranks do to their group, their output or their descriptors, a timeout fires.
     """
     __tracebackhide__ = True
-    show = None if show_ranks is None else (
-        {show_ranks} if isinstance(show_ranks, int) else set(show_ranks))
-    if show:  # an empty filter asks for silence: nothing to announce
-        print(f"[labkit] showing rank(s) {sorted(show)} only; the others are hidden "
-              "(all lines are in result.logs)")
-    logs: dict[int, list[str]] = {}
-    agent_log: list[str] = []
-    dead: list[int] = []  # ranks gone without a word, seen when the first error appeared
-    bars = ProgressBars()  # the ranks' labkit.progress bars, drawn as their lines arrive
-    start = time.monotonic()
-    last_output = start
-    # When the timeout's clock starts: at once for a warm run or a script, else when every
-    # rank has started the function.
-    clock = start if task is not None or job.mode == "script" else None
-    keep = False  # a warm run that went well leaves its ranks running for the next
+    out = _Output(show_ranks)
+    watch = _Watch(run, job, nproc, timeout, task, max_restarts)
+    keep = []  # a warm run that went well leaves its ranks running for the next
+    with _Shield(lambda: (keep and keep[0]) or _stop(run)):
+        try:
+            done = False
+            while not done:
+                lines, done = _drain(run.lines)
+                for line in lines:
+                    if task is not None:
+                        line = task.take(line)
+                        done = done or task.ended_by_all(nproc)
+                    if line:
+                        out.route(line)
+                out.flush()
+                if lines:
+                    watch.last_output = time.monotonic()
+                if not done:
+                    done = watch.check(out)
+            ended = task is not None and task.ended_by_all(nproc)  # the warm ranks live on
+            if not ended:
+                try:
+                    run.proc.wait(timeout=2 * _GRACE)
+                except subprocess.TimeoutExpired:  # its output ended, it did not: stop it
+                    _stop(run)
+            out.flush(partial=True)
+            seconds = time.monotonic() - watch.start
+            errors = _errors(run.run_dir)
+            error = errors[0] if errors else None
+            # Ranks that ended without returning, in a run nobody stopped (os._exit(0)).
+            missing = ([] if job.mode != "function" or error is not None or watch.dead
+                       or watch.stopped else _without_outcome(run.run_dir, nproc))
+            if max_restarts and run.proc.returncode == 0:
+                _report_restarts(run.run_dir, errors)
+            elif (error is not None or watch.dead or missing
+                  or not ended and (task is not None or run.proc.returncode != 0)):
+                raise _failure(error, run.proc.returncode, out.agent_log, out.logs,
+                               watch.dead or missing, run.run_dir)
+            values = _collect(run.run_dir)
+            keep.append(ended)
+            return LaunchResult(values, seconds, out.logs, nproc, job.backend, command,
+                                out.agent_log)
+        except KeyboardInterrupt:
+            stopped = _stop(run)
+            print(f"[labkit] interrupted: stopped torchrun and {stopped} worker process(es)")
+            raise
+
+
+# Seconds a run's ranks get, once all have returned, to end (or mark the end): at least the run's
+# own timeout. Tens of seconds: on a busy laptop an exit that destroys the group and unloads
+# torch can take that long.
+_TEARDOWN_S = 30.0
+_CHECK_EVERY = 0.1  # seconds between two looks at the run's processes and folder
+
+
+def _drain(lines: queue.Queue, wait: float = _CHECK_EVERY, most: int = 10000):
+    """The output lines that have arrived (waiting up to ``wait`` for the first), and whether
+    the output has ended. Taken in batches: a flood costs one look at the run per batch."""
+    got = []
     try:
-        done = False
-        while not done:
-            try:
-                line = run.lines.get(timeout=0.2)
-            except queue.Empty:
-                line = ""
-            if line is None:
-                done = True
-            elif line:
-                last_output = time.monotonic()
-                if task is not None:
-                    line = task.take(line)
-                    done = task.ended_by_all(nproc)
-                if line:
-                    _route(line, logs, agent_log, show, bars)
-            _track(run)
-            failed = (not max_restarts and run.proc.poll() is None
-                      and any(run.run_dir.glob(ERRORS)))
-            if failed and (task is None or task.settled(run.run_dir)):
-                # Stop the peers now rather than after torchrun's own (up to 30 s) shutdown.
-                # Not when restarts are allowed: then torchrun restarts the group itself.
-                dead = _silently_dead(run.run_dir)
-                if dead:  # torchrun is stopping the run itself: let it say how the rank died
-                    _await_agent(run, logs, agent_log, show, bars, task)
+        got.append(lines.get(timeout=wait))
+        while len(got) < most:
+            got.append(lines.get_nowait())
+    except queue.Empty:
+        pass
+    if got and got[-1] is None:
+        return got[:-1], True
+    return got, False
+
+
+class _Watch:
+    """The supervisor's checks between batches of output: dead ranks, failures, the clock."""
+
+    def __init__(self, run: _Run, job: Job, nproc: int, timeout, task, max_restarts: int):
+        self.run, self.job, self.nproc, self.timeout = run, job, nproc, timeout
+        self.task, self.max_restarts = task, max_restarts
+        self.start = self.last_output = time.monotonic()
+        # When the timeout's clock starts: at once for a warm run or a script, else when every
+        # rank has started the function.
+        self.clock = self.start if task is not None or job.mode == "script" else None
+        self.returned_at: float | None = None  # when the last rank returned from the function
+        self.exited_at: float | None = None  # when torchrun exited while its output went on
+        self.next = self.start
+        self.dead: list[int] = []  # ranks gone without a word, seen before the run was stopped
+        self.stopped = False  # the supervisor stopped the run after a failure
+
+    def check(self, out: _Output) -> bool:
+        """Look at the run (at most every _CHECK_EVERY s); raise LaunchTimeout when it is
+        overdue; True when the run is over although its output has not ended."""
+        now = time.monotonic()
+        if now < self.next:
+            return False
+        self.next = now + _CHECK_EVERY
+        run, task = self.run, self.task
+        _track(run)
+        if run.proc.poll() is not None:
+            # Its output ends with it, unless a process it left behind holds the pipe open.
+            self.exited_at = self.exited_at or now
+            return now - self.exited_at > _GRACE
+        if not self.max_restarts:  # with restarts, torchrun replaces failed ranks itself
+            failed = any(run.run_dir.glob(ERRORS))
+            gone = [] if failed else _silently_dead(run.run_dir, self.job.mode == "script")
+            if gone or (failed and (task is None or task.settled(run.run_dir))):
+                # Stop the peers now rather than after torchrun's own (up to 30 s) shutdown,
+                # or never (torchrun takes a rank's exit code 0 for success, and waits).
+                self.dead = gone or _silently_dead(run.run_dir, self.job.mode == "script")
+                if self.dead and not _await_exits(run.run_dir, self.dead):
+                    _await_agent(run, out, task)  # let torchrun say how the rank died
                 _stop(run)
-            elif (task is not None and not line and run.proc.poll() is None
-                  and (gone := _silently_dead(run.run_dir))):
-                # A warm rank gone without a word: torchrun stops the rest only if it failed
-                # (os._exit(0) is a success to torchrun, which then waits for the others).
-                dead = gone
-                _await_agent(run, logs, agent_log, show, bars, task)
-                _stop(run)
-            now = time.monotonic()
-            elapsed = now - start
-            if clock is None and len(list(run.run_dir.glob(READY))) >= nproc:
-                clock = now
-            # Once every rank has returned, what is left is the launcher's teardown (the
-            # group destroyed, torchrun's agent noticing the exits): not the function's time.
-            if timeout is not None and run.proc.poll() is None and (
-                    (clock is not None and now - clock > timeout
-                     and len(list(run.run_dir.glob(RESULTS))) < nproc)
-                    or (clock is None and elapsed > max(timeout, STARTUP_S))):
-                raise _timed_out(run, nproc, timeout, logs, started=clock is not None)
-            if time.monotonic() - last_output > _HEARTBEAT:
-                running = nproc - len(list(run.run_dir.glob(RESULTS)))
-                print(_progress_line(elapsed, running, nproc))
-                last_output = time.monotonic()
-        ended = task is not None and task.ended_by_all(nproc)  # the warm ranks live on
-        if not ended:
-            run.proc.wait()
-        seconds = time.monotonic() - start
-        errors = _errors(run.run_dir)
-        error = errors[0] if errors else None
-        if max_restarts and run.proc.returncode == 0:
-            _report_restarts(run.run_dir, errors)
-        elif error is not None or not ended and (task is not None or run.proc.returncode != 0):
-            raise _failure(error, run.proc.returncode, agent_log, logs, dead, run.run_dir)
-        values = _collect(run.run_dir)
-        keep = ended
-        return LaunchResult(values, seconds, logs, nproc, job.backend, command, agent_log)
-    except KeyboardInterrupt:
-        stopped = _stop(run)
-        print(f"[labkit] interrupted: stopped torchrun and {stopped} worker process(es)")
-        raise
-    finally:
-        if not keep:
-            _stop(run)
+                self.stopped = True
+                return False
+        if self.clock is None and len(list(run.run_dir.glob(READY))) >= self.nproc:
+            self.clock = now
+        returned = len(list(run.run_dir.glob(RESULTS)))
+        if returned >= self.nproc:
+            self.returned_at = self.returned_at or now
+        if self.timeout is not None and self._overdue(now):
+            raise _timed_out(run, self.nproc, self.timeout, out.logs,
+                             started=self.clock is not None, task=task,
+                             returned=self.returned_at is not None)
+        if now - self.last_output > _HEARTBEAT:
+            print(_progress_line(now - self.start, self.nproc - returned, self.nproc))
+            self.last_output = now
+        return False
+
+    def _overdue(self, now: float) -> bool:
+        if self.clock is None:
+            return now - self.start > max(self.timeout, STARTUP_S)
+        if now - self.clock <= self.timeout:
+            return False
+        # Once every rank has returned, what is left is the launcher's teardown (the group
+        # destroyed, torchrun noticing the exits): not the function's time, but not forever.
+        return (self.returned_at is None
+                or now - self.returned_at > max(_TEARDOWN_S, self.timeout))
 
 
 def _progress_line(elapsed: float, running: int, nproc: int) -> str:
@@ -565,10 +686,59 @@ def _progress_line(elapsed: float, running: int, nproc: int) -> str:
     return f"[labkit] {elapsed:.0f} s elapsed, {running} of {nproc} rank(s) still running"
 
 
-def _route(line: str, logs: dict, agent_log: list, show, bars: ProgressBars | None = None) -> None:
-    """Keep a line in its rank's log and print it unless filtered; agent lines stay quiet.
+class _Output:
+    """A run's output as it arrives: each rank's lines kept, shown (a batch at a time) unless
+    filtered, progress lines drawn as bars, pieces of long lines joined again."""
 
-    A labkit.progress line updates the rank's bar in ``bars`` and is neither kept nor printed.
+    def __init__(self, show_ranks):
+        self.show = None if show_ranks is None else (
+            {show_ranks} if isinstance(show_ranks, int) else set(show_ranks))
+        if self.show:  # an empty filter asks for silence: nothing to announce
+            print(f"[labkit] showing rank(s) {sorted(self.show)} only; the others are hidden "
+                  "(all lines are in result.logs)")
+        self.logs: dict[int, list[str]] = {}
+        self.agent_log: list[str] = []
+        self.bars = ProgressBars()  # the ranks' labkit.progress bars, drawn as lines arrive
+        self.pieces: dict[str, list[str]] = {}  # "[rankN]" -> the pieces of its unfinished line
+        self.shown: list[str] = []
+
+    def route(self, line: str) -> None:
+        if MARKER in line:
+            self.flush()  # a bar drawn as text comes after the lines printed before it
+        head, sep, text = line.partition("] ")
+        if line.startswith("[rank") and sep:
+            if text.endswith(CONTINUES):
+                self.pieces.setdefault(head, []).append(text[:-len(CONTINUES)])
+                return
+            if head in self.pieces:
+                line = f"{head}] {''.join(self.pieces.pop(head))}{text}"
+        shown = _sort_line(line, self.logs, self.agent_log, self.show, self.bars)
+        if shown is not None:
+            self.shown.append(shown)
+
+    def flush(self, partial: bool = False) -> None:
+        """Print what was routed; ``partial``: the end, where an unfinished line is whole."""
+        if partial:
+            for head, pieces in list(self.pieces.items()):
+                del self.pieces[head]
+                self.route(f"{head}] {''.join(pieces)}")
+        if self.shown:
+            print("\n".join(self.shown), flush=True)  # one write per batch, not per line
+            self.shown = []
+
+
+def _route(line: str, logs: dict, agent_log: list, show, bars: ProgressBars | None = None) -> None:
+    """Keep a line in its rank's log and print it unless filtered; agent lines stay quiet."""
+    shown = _sort_line(line, logs, agent_log, show, bars)
+    if shown is not None:
+        print(shown, flush=True)
+
+
+def _sort_line(line: str, logs: dict, agent_log: list, show,
+               bars: ProgressBars | None = None) -> str | None:
+    """Keep a line in its rank's log; return it if it is to be shown. Agent lines stay quiet.
+
+    A labkit.progress line updates the rank's bar in ``bars`` and is neither kept nor shown.
     """
     if line.startswith("[rank") and "] " in line:
         head, _, text = line.partition("] ")
@@ -583,13 +753,12 @@ def _route(line: str, logs: dict, agent_log: list, show, bars: ProgressBars | No
                 if bars is not None and (show is None or rank in show):
                     bars.feed(rank, update)
                 if not text:
-                    return
+                    return None
                 line = f"{head}] {text}"
             logs.setdefault(rank, []).append(text)
-            if show is None or rank in show:
-                print(line, flush=True)
-            return
+            return line if show is None or rank in show else None
     agent_log.append(line)
+    return None
 
 
 def _track(run: _Run) -> None:
@@ -649,28 +818,34 @@ def _rank_pids(run_dir: Path) -> dict[int, int]:
     return out
 
 
-def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict,
-               started: bool = True) -> LaunchTimeout:
-    """Ask every unfinished rank for its Python stack, then build the LaunchTimeout."""
+def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict, started: bool = True,
+               task: _Task | None = None, returned: bool = False) -> LaunchTimeout:
+    """Ask every unfinished rank for its Python stack, then build the LaunchTimeout.
+
+    ``returned``: every rank had returned, but some did not end (a cold rank's process, a warm
+    rank's end-of-task mark) within _TEARDOWN_S: those are the stuck ones.
+    """
     finished = {_rank_of(f) for f in run.run_dir.glob(RESULTS)}
     pids = _rank_pids(run.run_dir)
-    stuck = sorted(r for r in pids if r not in finished)
-    for rank in stuck:
-        try:
-            os.kill(pids[rank], STACK_SIGNAL)
-        except OSError:
-            pass
-    time.sleep(_STACK_WAIT)
-    stacks = {r: _clean_stack((run.run_dir / stack_file(r)).read_text(errors="replace"))
-              for r in stuck}
+    if returned:
+        stuck = sorted(r for r, pid in pids.items()
+                       if (r not in task.ended if task is not None else _alive(pid)))
+    else:
+        stuck = sorted(r for r in pids if r not in finished)
+    stacks = _ask_stacks(run.run_dir, {r: pids[r] for r in stuck})
     never_started = sorted(set(range(nproc)) - set(pids)) if len(pids) < nproc else []
-    if started:
+    if returned:
+        parts = [f"the run did not finish within timeout={timeout:g} s: every rank returned "
+                 f"from the function, but rank(s) {', '.join(map(str, stuck)) or '?'} did not "
+                 f"end within {max(_TEARDOWN_S, timeout):g} s after (a thread still running, or "
+                 "a process group in use?)."]
+    elif started:
         parts = [f"the run did not finish within timeout={timeout:g} s."]
     else:
         parts = [f"the workers did not start the function within {max(timeout, STARTUP_S):g} s "
                  f"(importing torch, forming the process group): a machine too busy, or a "
                  f"rendezvous that never completes."]
-    if stuck:
+    if stuck and not returned:
         done = ', '.join(map(str, sorted(finished)))
         parts.append(f"Stuck rank(s): {', '.join(map(str, stuck))}"
                      + (f" (rank(s) {done} had finished)" if finished else ""))
@@ -678,11 +853,54 @@ def _timed_out(run: _Run, nproc: int, timeout: float, logs: dict,
         parts.append(
             "Some ranks never started (still in rendezvous): check nnodes and rdzv_endpoint.")
     for rank in stuck:
-        parts.append(
-            f"\n--- rank {rank} stack (most recent call first) ---\n{stacks[rank].strip()}")
-    parts.append("\nA rank waiting in a collective that another rank skipped is the usual cause; "
-                 "run with TORCH_DISTRIBUTED_DEBUG=DETAIL to name the mismatch.")
+        stack = stacks[rank].strip() or (
+            "(it did not answer: it blocks or handles SIGUSR1 itself, or closed the file its "
+            "stack is written to)")
+        parts.append(f"\n--- rank {rank} stack (most recent call first) ---\n{stack}")
+    if not returned:
+        parts.append("\nA rank waiting in a collective that another rank skipped is the usual "
+                     "cause; run with TORCH_DISTRIBUTED_DEBUG=DETAIL to name the mismatch.")
     return LaunchTimeout("\n".join(parts), stuck=stuck, stacks=stacks, logs=logs)
+
+
+def _ask_stacks(run_dir: Path, pids: dict[int, int]) -> dict[int, str]:
+    """Each rank's Python stack, dumped by faulthandler on STACK_SIGNAL; '' where none came
+    within _STACK_WAIT seconds."""
+    def size(rank):
+        try:
+            return (run_dir / stack_file(rank)).stat().st_size
+        except OSError:
+            return -1
+
+    before = {r: size(r) for r in pids}
+    for pid in pids.values():
+        try:
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + _STACK_WAIT
+    waiting = set(pids)
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+        waiting = {r for r in waiting if size(r) <= before[r]}
+    time.sleep(0.1)  # a dump under way: let it finish
+    stacks = {}
+    for rank in pids:
+        try:
+            dump = (run_dir / stack_file(rank)).read_bytes()[max(before[rank], 0):]
+        except OSError:
+            dump = b""
+        stacks[rank] = _clean_stack(dump.decode(errors="replace"))
+    return stacks
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _clean_stack(dump: str) -> str:
@@ -722,31 +940,30 @@ def _errors(run_dir: Path) -> list[dict]:
 _AGENT_REPORT = 5.0  # seconds torchrun gets to report how a dead rank ended
 
 
-def _await_agent(run: _Run, logs: dict, agent_log: list, show, bars=None,
-                 task: _Task | None = None) -> None:
+def _await_agent(run: _Run, out: _Output, task: _Task | None = None) -> None:
     """Route output until torchrun exits by itself, or a few seconds pass.
 
     torchrun notices a dead rank within its monitor interval (0.1 s), stops the others and then
-    prints each rank's exit status, the only record of the signal that killed it. Stopping
-    torchrun first would lose that report.
+    prints each rank's exit status. Stopping torchrun first would lose that report.
     """
     deadline = time.monotonic() + _AGENT_REPORT
     while time.monotonic() < deadline:
-        try:
-            line = run.lines.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if line is None:
+        lines, ended = _drain(run.lines)
+        for line in lines:
+            if task is not None:
+                line = task.take(line)  # a warm rank's end-of-task mark is no output
+            if line:
+                out.route(line)
+        out.flush()
+        if ended:
             run.lines.put(None)  # the end of the output, for the supervisor's loop
             return
-        if task is not None:
-            line = task.take(line)  # a warm rank's end-of-task mark is no output
-        if line:
-            _route(line, logs, agent_log, show, bars)
 
 
-def _silently_dead(run_dir: Path) -> list[int]:
-    """Ranks whose process is gone without a result or an error: killed, or a native crash."""
+def _silently_dead(run_dir: Path, script: bool = False) -> list[int]:
+    """Ranks whose process is gone without a result or an error: killed, a native crash, or
+    an exit the function did not return from (os._exit). A script's rank that exited with
+    code 0 just ended (it reports no value)."""
     import psutil
 
     def gone(pid):
@@ -755,9 +972,45 @@ def _silently_dead(run_dir: Path) -> list[int]:
         except psutil.Error:
             return True
 
-    return sorted(r for r, pid in _rank_pids(run_dir).items()
-                  if not any((run_dir / name(r)).exists() for name in (result_file, error_file))
-                  and gone(pid))
+    # Gone first, files second: a rank that writes its result and exits in between is no death.
+    ended = [r for r, pid in _rank_pids(run_dir).items() if gone(pid)]
+    dead = [r for r in ended if not _has_outcome(run_dir, r)]
+    if script:
+        codes = _recorded_exits(run_dir)
+        dead = [r for r in dead if codes.get(r, (None,))[0] != 0]
+    return sorted(dead)
+
+
+def _has_outcome(run_dir: Path, rank: int) -> bool:
+    return any((run_dir / name(rank)).exists() for name in (result_file, error_file))
+
+
+def _without_outcome(run_dir: Path, nproc: int) -> list[int]:
+    """Ranks that neither returned nor raised (after the run: every rank has ended)."""
+    return [r for r in range(nproc) if not _has_outcome(run_dir, r)]
+
+
+def _recorded_exits(run_dir: Path) -> dict[int, tuple[int, float]]:
+    """rank -> (exit status, when) of each rank process torchrun's agent saw end (-N: signal N)."""
+    found = {}
+    for rank, pid in _rank_pids(run_dir).items():
+        path = run_dir / exit_file(pid)
+        try:
+            found[rank] = (int(path.read_text()), path.stat().st_mtime)
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _await_exits(run_dir: Path, ranks: list[int], within: float = 2.0) -> bool:
+    """Wait until torchrun's agent has recorded how each of ``ranks`` ended; False if it did
+    not within ``within`` seconds (then its closing report is the only record)."""
+    deadline = time.monotonic() + within
+    while not set(ranks) <= set(_recorded_exits(run_dir)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _failure(error: dict | None, returncode: int, agent_log: list, logs: dict,
@@ -768,7 +1021,10 @@ def _failure(error: dict | None, returncode: int, agent_log: list, logs: dict,
     # A rank that wrote an error record exited by itself after raising: not a death.
     exits = [(r, code) for r, code in _exit_codes(agent_log, pids).items()
              if run_dir is None or not (run_dir / error_file(r)).exists()]
-    exits += [(r, None) for r in dead if r not in dict(exits)]
+    # The ranks that ended unasked, in the order they ended, with what the agent recorded.
+    recorded = _recorded_exits(run_dir) if run_dir is not None else {}
+    ordered = sorted(dead, key=lambda r: recorded.get(r, (0, float("inf")))[1])
+    exits += [(r, recorded.get(r, (None,))[0]) for r in ordered if r not in dict(exits)]
     if exits:
         rank, code = exits[0]
         text = _death(rank, code, logs, run_dir)
@@ -892,8 +1148,9 @@ def _death(rank: int, code: int | None, logs: dict, run_dir: Path | None) -> str
             text += f"\n\n--- rank {rank} Python stack at the crash (most recent call first) ---\n"
             text += stack
     else:
-        text = (f"rank {rank} exited with code {code} without a Python exception: something "
-                "called os._exit(), or native code ended the process")
+        text = (f"rank {rank} exited with code {code} without a Python exception and without "
+                f"returning from the function: something called os._exit({code}), or native "
+                "code ended the process")
     last = [ln if len(ln) <= _LINE_CHARS else ln[:_LINE_CHARS] + " ..."
             for ln in logs.get(rank, [])[-5:]]
     if last:
@@ -947,33 +1204,71 @@ def stray_workers() -> list[str]:
     torchrun agents and worker shims by their command line, and keeps those whose environment
     names this process as their controller, so runs of another notebook do not count.
     The processes of warm workers that are running (:func:`workers`) are not strays: they
-    are owned; once stopped, any of theirs still alive is listed. Returns ``"pid: command
-    line"`` strings.
+    are owned; once stopped, any of theirs still alive is listed. :func:`stop_workers` ends
+    every process listed here. Returns ``"pid: command line"`` strings.
 
     Example::
 
         >>> labkit.stray_workers()
         []
     """
+    found = []
+    for proc, cmdline in _strays():
+        line = " ".join(cmdline)  # the agent's boot script spans several lines
+        line = " ".join(line.split())
+        if len(line) > 160:  # keep the start and the run folder at the end
+            line = f"{line[:60]} ... {line[-95:]}"
+        found.append(f"{proc.pid}: {line}")
+    return found
+
+
+def _strays() -> list:
+    """(psutil.Process, command line) of each torchrun agent or worker shim of this process's
+    launches that no running pool owns."""
     import psutil
 
     me = str(os.getpid())
     owned = set().union(*(pool.owned_pids() for pool in list(_LIVE)))
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if "labkit._worker" not in cmdline and RUN_PREFIX not in cmdline:
+        cmdline = proc.info["cmdline"] or []
+        joined = " ".join(cmdline)
+        if "labkit._worker" not in joined and RUN_PREFIX not in joined:
             continue
         try:
             controller = proc.environ().get(CONTROLLER_PID)
+            if proc.status() == psutil.STATUS_ZOMBIE:  # ended; its parent has not reaped it
+                continue
         except (psutil.Error, OSError):  # gone meanwhile, or another user's process
             continue
-        if controller == me and proc.info["pid"] not in owned:
-            line = " ".join(cmdline.split())  # the agent's boot script spans several lines
-            if len(line) > 160:  # keep the start and the run folder at the end
-                line = f"{line[:60]} ... {line[-95:]}"
-            found.append(f"{proc.info['pid']}: {line}")
+        if controller == me and proc.pid not in owned:
+            found.append((proc, cmdline))
     return found
+
+
+def _end_strays() -> int:
+    """SIGTERM every stray, SIGKILL what is left after a grace period, and remove the run
+    folders named on their command lines; count them."""
+    import psutil
+
+    strays = _strays()
+    for proc, _ in strays:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs([p for p, _ in strays], timeout=_GRACE)
+    for proc in alive:  # it ignores SIGTERM
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=_GRACE)
+    for _, cmdline in strays:
+        folder = Path(cmdline[-1]) if cmdline else None
+        if folder is not None and folder.name.startswith(RUN_PREFIX) and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+    return len(strays)
 
 
 # ---- warm workers: one torchrun run in "serve" mode, many runs ---------------------------------
@@ -1190,23 +1485,32 @@ class Workers:
         task = Task(number, (fn, args, kwargs), _sys_path(), os.getcwd(), self._env_changes())
         _write_job(self._run_dir, task, task_file(number))  # unpicklable: nothing was sent
         self._tasks = number
-        try:
-            for fd in self._fifos:
-                os.write(fd, RUN_TASK)
-            result = _supervise(self._run, self._job, self.nproc, timeout, show_ranks,
-                                self._command, task=_Task(number))
-        except BaseException as exc:
-            self._lost = _lost_by(exc)
-            self._teardown()
-            raise
-        finally:
+        served: list[LaunchResult] = []
+
+        def cleanup():
+            if not served:  # failed, timed out, interrupted: the ranks are stopped
+                self._teardown()
+            elif retired := sorted(self._run_dir.glob(RETIRES)):
+                # The run changed what a rank cannot put back: fresh ranks for the next run.
+                self._lost = retired[0].read_text()
+                self._teardown(quit=True)
             if self._run_dir is not None:  # the next task finds a clean folder
                 names = [task_file(number), *(f(r) for r in range(self.nproc)
                                                for f in (result_file, error_file))]
                 for name in names:
                     (self._run_dir / name).unlink(missing_ok=True)
+
+        with _Shield(cleanup):
+            try:
+                for fd in self._fifos:
+                    os.write(fd, RUN_TASK)
+                served.append(_supervise(self._run, self._job, self.nproc, timeout, show_ranks,
+                                         self._command, task=_Task(number)))
+            except BaseException as exc:
+                self._lost = _lost_by(exc)
+                raise
         self.runs += 1
-        return result
+        return served[0]
 
     def _env_changes(self) -> dict[str, str | None]:
         """What a cold run started now would see differently in its environment."""
@@ -1219,7 +1523,12 @@ class Workers:
         return changes
 
     def _teardown(self, quit: bool = False) -> None:
-        """Stop every process of the pool and remove its run folder; ``quit`` asks them first."""
+        """Stop every process of the pool and remove its run folder; ``quit`` asks them first.
+        No interrupt cuts it short (see _Shield)."""
+        with _Shield(lambda: self._stop_all(quit)):
+            pass
+
+    def _stop_all(self, quit: bool) -> None:
         run, self._run = self._run, None
         fifos, self._fifos = self._fifos, []
         if run is not None:
@@ -1278,20 +1587,31 @@ def workers(nproc: int = 2, backend: str = "auto", framework: str = "torch",
     Every run starts as a fresh process would: torch's (CPU and CUDA), Python's and NumPy's
     random generators are reseeded from fresh entropy, so ``torch.manual_seed`` inside a run
     gives the numbers of a cold run. Afterwards the ranks put back the thread count, default
-    dtype and device, grad mode, anomaly detection, deterministic algorithms, the cuDNN and
-    TF32 switches, ``os.environ``, the working directory, ``sys.path``, ``sys.argv`` and the
-    warning filters; process groups the run created are destroyed (the default group stays,
-    and is formed again if the run destroyed it); on GPUs the cached memory is given back,
-    and a line says if the run left CUDA tensors alive.
+    dtype and device, grad mode, anomaly detection, deterministic algorithms, float32 matmul
+    precision, print options (``torch.set_printoptions``), denormal flushing, the switches of
+    ``torch.backends`` (cuDNN, oneDNN/mkldnn, TF32, reduced-precision reductions, opt_einsum,
+    the CUDA attention kernels), ``os.environ``, the working directory, the umask,
+    ``sys.path``, ``sys.argv``, ``sys.stdout``/``sys.stderr`` and file descriptors 1 and 2
+    (output reaches the cell again after a run redirected or closed them), and the warning
+    filters. Process groups the run created are destroyed; if the run destroyed or replaced
+    the default group on any rank, or sent or received point-to-point messages (one left
+    unmatched would reach the next run), every rank forms the default group again. What no
+    reset can undo makes the next run start fresh ranks, with a line that says so: a call of
+    ``torch.set_num_interop_threads`` (allowed once per process), a process group the run
+    formed itself with ``init_process_group``. On GPUs the cached memory is given back, and a
+    line says if the run left CUDA tensors alive.
 
     What persists between runs: imported modules (``sys.modules``: after editing a module's
     file, ``labkit.stop_workers()`` for fresh ranks), module-level state (the globals of
     imported modules, functions pickled by reference included; class attributes; caches
     such as ``functools.lru_cache`` or ``torch.compile``'s), threads a run started, signal
-    handlers, logging setup, files written, and on GPUs the CUDA context, the NCCL
-    communicators and compiled kernels. Functions from notebook cells travel by value with
-    fresh globals each run. Variables the kernel sets in ``os.environ`` after the pool started
-    reach each run, as they would a cold one, but torch and NCCL read theirs
+    handlers, logging setup, files written and file descriptors other than 1 and 2 left open,
+    torch's inter-op thread pool once a run used it (a later ``set_num_interop_threads``
+    then fails, as in a process that used it), other process-wide settings not named above
+    (``sys.setrecursionlimit``, CPU affinity, resource limits), and on GPUs the CUDA context,
+    the NCCL communicators and compiled kernels. Functions from notebook cells travel by value
+    with fresh globals each run. Variables the kernel sets in ``os.environ`` after the pool
+    started reach each run, as they would a cold one, but torch and NCCL read theirs
     (``TORCH_DISTRIBUTED_DEBUG``, ``NCCL_DEBUG``, ...) when the pool starts: pass those in
     ``env=``, which makes a pool of its own.
 
@@ -1310,6 +1630,9 @@ def workers(nproc: int = 2, backend: str = "auto", framework: str = "torch",
 def stop_workers() -> int:
     """Stop every set of warm workers this kernel holds (launch's and :func:`workers`'); count them.
 
+    Any other process :func:`stray_workers` lists (one that outlived its run) is ended too,
+    SIGKILLed if it ignores SIGTERM, and its run folder removed.
+
     Example::
 
         >>> labkit.launch(total, 10, warm=True)
@@ -1320,6 +1643,8 @@ def stop_workers() -> int:
         pools = list(_LIVE)
     for pool in pools:
         pool.stop()
+    with _Shield(_end_strays):
+        pass
     return len(pools)
 
 
