@@ -26,7 +26,7 @@ JOBS    ?= 3
 NB_JOBS ?= 2
 TIMES   := .pytest_cache/labkit-times
 
-.PHONY: help install lab test lint unit notebooks bench gpu-check lock clean
+.PHONY: help install lab test lint unit notebooks bench gpu-check container-check lock clean
 
 help:
 	@echo "make lab    start JupyterLab on notebooks/ (HOST=$(HOST) PORT=$(PORT))"
@@ -80,6 +80,13 @@ bench: install
 # Tests, VGG16 figures, cold and warm NCCL launches in under 5 minutes, one summary at the end.
 gpu-check:
 	PYTHONPATH=. $(PYTHON) tests/gpu_check.py
+
+# docker/Dockerfile built with buildah and run as a learner would (JupyterLab behind its token,
+# labkit doctor, notebooks under nbval, torch kept): as root, no Docker engine. Skips, saying
+# why, where buildah or root is missing; stand-ins and images stay in LABKIT_CONTAINER_CACHE.
+container-check:
+	@start=$$(date +%s); status=0; bash tests/container/check.sh || status=$$?; \
+		echo ">> container-check took $$(( $$(date +%s) - start )) s"; exit $$status
 
 # Re-resolve constraints.txt from pyproject's ranges in a scratch venv.
 lock:
