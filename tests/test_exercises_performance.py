@@ -221,6 +221,17 @@ def test_fp16_compress_hook_wrong_local_bucket_returned():
     assert not verdict and "different gradients" in verdict.detail
 
 
+def test_fp16_compress_hook_wrong_divided_by_two_shows_on_4_ranks():
+    def hook(state, bucket):
+        t = bucket.buffer().to(torch.float16).div_(2)  # the world size of the first try
+        fut = dist.all_reduce(t, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].to(torch.float32))
+
+    verdict = performance.fp16_compress_hook(hook)
+    assert not verdict and "on 4 ranks the gradients are 2 times the average" in verdict.detail
+    assert "not by 2" in verdict.hint
+
+
 def test_fp16_compress_hook_wrong_placeholder_is_not_run():
     def hook(state, bucket):
         raise NotImplementedError("your code here")

@@ -192,24 +192,31 @@ def _hook_worker(hook):
 def fp16_compress_hook(hook) -> str:
     """Exercise: ``hook(state, bucket)``, a DDP comm hook that averages in float16.
 
-    Registered on a DDP model on two gloo ranks, each with its own batch: after backward every
-    rank must hold the average of the ranks' gradients (to fp16 rounding), and the all-reduces
-    must have sent half the bytes of float32.
+    Registered on a DDP model on 2, then 4 gloo ranks, each with its own batch: after backward
+    every rank must hold the average of the ranks' gradients (to fp16 rounding), and the
+    all-reduces must have sent half the bytes of float32.
 
     Example::
 
         >>> exercise.fp16_compress_hook(compress_hook)
         [pass] fp16 compression hook: 2 ranks hold the average gradient (...); 840 bytes sent, ...
     """
-    ranks = on_ranks(_hook_worker, hook)
-    r0, r1 = ranks[0], ranks[1]
+    for world in (2, 4):
+        r0 = _judge_hook(on_ranks(_hook_worker, hook, nproc=world))
+    return (f"on 2 and 4 ranks every rank holds the average gradient (to fp16 rounding); "
+            f"{r0['bytes']:,} bytes sent, not {r0['fp32_bytes']:,}")
+
+
+def _judge_hook(ranks: list[dict]) -> dict:
+    """Raise NotYet unless every rank holds the fp16-averaged gradient, half the bytes sent."""
+    r0, world = ranks[0], len(ranks)
     full = r0["fp32_bytes"]
     if r0["calls"] == 0:
         raise NotYet("no dist.all_reduce ran: the gradients were never communicated",
                      "all-reduce the 16-bit copy with dist.all_reduce(t, async_op=True) and "
                      "return its .get_future() (then-ed back to float32)")
-    if _rel(r0["grad"], r1["grad"]) > 1e-6:
-        raise NotYet("the ranks hold different gradients after backward",
+    if any(_rel(r0["grad"], r["grad"]) > 1e-6 for r in ranks[1:]):
+        raise NotYet(f"on {world} ranks the ranks hold different gradients after backward",
                      "return a future of the all-reduced tensor, not of the local bucket: "
                      "fut = dist.all_reduce(...).get_future(); return fut.then(...)")
     if r0["bytes"] == full:
@@ -219,17 +226,23 @@ def fp16_compress_hook(hook) -> str:
         raise NotYet(f"{r0['bytes']:,} bytes were all-reduced, expected {full // 2:,} (half of "
                      f"{full:,})", "one dist.all_reduce per bucket, of bucket.buffer() in "
                      "torch.float16")
-    world = r0["world"]
+    if any(r["bytes"] != r0["bytes"] for r in ranks):
+        raise NotYet(f"on {world} ranks the ranks all-reduced {[r['bytes'] for r in ranks]} "
+                     f"bytes", "every rank runs the same hook on the same buckets")
     if _rel(r0["grad"], world * r0["mean"]) < 1e-2:
-        raise NotYet(f"the gradients are {world} times the average: the sum over the ranks",
+        raise NotYet(f"on {world} ranks the gradients are {world} times the average: the sum "
+                     f"over the ranks",
                      "the hook returned a future of the un-averaged sum: divide by world size "
                      "(dist.get_world_size()) before or after the all-reduce")
+    if world != 2 and _rel(r0["grad"], world / 2 * r0["mean"]) < 1e-2:
+        raise NotYet(f"on {world} ranks the gradients are {world / 2:g} times the average: the "
+                     f"sum divided by 2", "divide by the world size, dist.get_world_size() "
+                     "(or the process group's size()), not by 2: it is right on 2 ranks only")
     if _rel(r0["grad"], r0["mean"]) > 1e-2:
         raise NotYet(f"the gradients are {_rel(r0['grad'], r0['mean']):.0%} off the ranks' "
                      f"average", "the future's value must be the averaged bucket, back in "
                      "float32, in the bucket's order (bucket.buffer())")
-    return (f"{world} ranks hold the average gradient (to fp16 rounding); {r0['bytes']:,} bytes "
-            f"sent, not {full:,}")
+    return r0
 
 
 # ---- 3. gradient accumulation under DDP: no_sync ------------------------------------------------
@@ -271,17 +284,28 @@ def _accumulation_worker(step, k: int, micro: int):
 def no_sync_accumulation(step, k: int = 4, micro: int = 4) -> str:
     """Exercise: ``step(model, opt, micro_batches)``: one DDP step from k micro-batches.
 
-    On two gloo ranks, each with ``k`` micro-batches of ``micro`` samples: exactly one
-    all-reduce (the model fits one bucket), and an update equal to the big batch's gradient
-    (all ranks' samples at once) times the learning rate.
+    On 2, then 4 gloo ranks, each with ``k`` micro-batches of ``micro`` samples: exactly one
+    all-reduce on every rank (the model fits one bucket), and an update equal to the big
+    batch's gradient (all ranks' samples at once) times the learning rate.
 
     Example::
 
         >>> exercise.no_sync_accumulation(accumulation_step)
         [pass] accumulation with no_sync: 1 all-reduce for 4 micro-batches; the big batch's ...
     """
-    ranks = on_ranks(_accumulation_worker, step, k, micro)
+    for world in (2, 4):
+        _judge_accumulation(on_ranks(_accumulation_worker, step, k, micro, nproc=world), k)
+    return (f"1 all-reduce for {k} micro-batches on every rank; the big batch's gradient "
+            f"(2 and 4 ranks x {k} x {micro} samples), to float rounding")
+
+
+def _judge_accumulation(ranks: list[dict], k: int) -> None:
+    """Raise NotYet unless every rank all-reduced once and stepped by the big batch's gradient."""
     r0 = ranks[0]
+    if any(r["calls"] != r0["calls"] for r in ranks):
+        raise NotYet(f"on {len(ranks)} ranks the ranks made {[r['calls'] for r in ranks]} "
+                     f"all-reduces", "every rank runs the same loop: no_sync on the same "
+                     "micro-batches everywhere")
     if r0["calls"] == k:
         raise NotYet(f"{k} all-reduces for {k} micro-batches",
                      "an all-reduce per micro-batch: wrap all but the last in model.no_sync() "
@@ -310,8 +334,6 @@ def no_sync_accumulation(step, k: int = 4, micro: int = 4) -> str:
                      "opt.step()")
     if any(_rel(r["update"], update) > 1e-6 for r in ranks[1:]):
         raise NotYet("the ranks took different steps", "every rank runs the same loop")
-    return (f"1 all-reduce for {k} micro-batches; the big batch's gradient "
-            f"({len(ranks)} ranks x {k} x {micro} samples), to float rounding")
 
 
 # ==== challenge: one PowerSGD step with error feedback, on real ranks ========================
