@@ -30,7 +30,7 @@ def _solution(name: str):
 def test_online_softmax_merge_solution_passes_locally_and_on_ranks():
     verdict = ex.online_softmax_merge(_solution("online_softmax_merge")["my_merge"])
     assert verdict, verdict
-    assert "inside ring_attention on 2 gloo ranks" in verdict.detail
+    assert "inside ring_attention on 2 and 4 gloo ranks" in verdict.detail
 
 
 def test_online_softmax_merge_labkits_merge_passes():
@@ -132,3 +132,14 @@ def test_online_softmax_merge_wrong_lse_shape():
 def test_online_softmax_merge_wrong_returns_one_tensor():
     verdict = ex.online_softmax_merge(lambda out_a, lse_a, out_b, lse_b: out_a)
     assert not verdict and "return a pair of tensors: (out, lse)" in verdict.hint
+
+
+def test_online_softmax_merge_written_with_logaddexp_passes_on_2_and_4_ranks():
+    def logaddexp_merge(out_a, lse_a, out_b, lse_b):
+        lse = torch.logaddexp(lse_a, lse_b)  # stable by itself; -inf where both sides are empty
+        w_a = torch.nan_to_num(torch.exp(lse_a - lse), nan=0.0)  # -inf - -inf: no weight
+        w_b = torch.nan_to_num(torch.exp(lse_b - lse), nan=0.0)
+        return w_a[..., None] * out_a + w_b[..., None] * out_b, lse
+
+    verdict = ex.online_softmax_merge(logaddexp_merge)
+    assert verdict and "on 2 and 4 gloo ranks" in verdict.detail
