@@ -18,12 +18,12 @@ STAMP := $(VENV)/.labkit-installed-$(HASH)
 # oversubscribed threads make every timing meaningless.
 SINGLE_THREAD := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
-# Parallel pytest workers (pytest-xdist) for the unit tests and the notebooks. Most of a launch
-# test or a notebook cell is spent waiting on worker processes, so a 2-core machine keeps
-# more than two busy; --dist loadfile keeps a file's tests (a notebook's cells, one kernel) on one
-# worker, in order. JOBS=0 runs everything in this one process.
-JOBS    ?= 3
-NB_JOBS ?= 2
+# Parallel pytest workers (pytest-xdist) for the unit tests and the notebooks: one per core.
+# Each worker keeps its own warm ranks and starts its own launches, so more workers than cores
+# oversubscribe the CPU (timeouts) and the memory; --dist loadfile keeps a file's tests (a
+# notebook's cells, one kernel) on one worker, in order. JOBS=0: everything in one process.
+JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
+NB_JOBS ?= $(JOBS)
 TIMES   := .pytest_cache/labkit-times
 
 .PHONY: help install lab test lint unit notebooks bench gpu-check container-check lock clean
