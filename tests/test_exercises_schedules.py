@@ -77,7 +77,7 @@ def test_interleaved_schedule_wrong_warmup_too_short():
 
     verdict = graders.interleaved_schedule(one_f_one_b_warmup)
     assert not verdict and "warm-up too short" in verdict.hint
-    assert "(p-r-1)*2 + (v-1)*p" in verdict.hint
+    assert "(p-r-1)*2" not in verdict.hint  # the hint explains; it does not hand out the formula
 
 
 def test_interleaved_schedule_wrong_warmup_too_long():
@@ -86,6 +86,74 @@ def test_interleaved_schedule_wrong_warmup_too_long():
 
     verdict = graders.interleaved_schedule(one_more)
     assert not verdict and "warm-up too long" in verdict.hint
+
+
+def test_interleaved_schedule_wrong_deadlocking_order():
+    def last_rank_defers_its_first_backward(p, v, m):
+        # each rank's own order is possible, but the last rank now waits for a chunk-0 gradient
+        # that needs its own deferred chunk-1 backward first: every rank waits for another
+        out = schedules.interleaved_1f1b(p, v, m)
+        row = list(out[-1])
+        first = row.pop(next(k for k, a in enumerate(row) if a[0] == "B"))
+        at = next(k for k, a in enumerate(row) if a[0] == "B" and a[1] == 0)
+        out[-1] = row[:at + 1] + [first] + row[at + 1:]
+        return out
+
+    verdict = graders.interleaved_schedule(last_rank_defers_its_first_backward)
+    assert not verdict and "deadlocks" in verdict.detail
+
+
+def test_interleaved_schedule_valid_order_other_than_megatrons_passes():
+    def eager_first_rank(p, v, m):
+        """Megatron's order, but rank 0 runs each steady-state backward before the chunk-0
+        forward beside it (that forward's input is local data, so nothing waits): as fast,
+        holding less. With 2 ranks there is no such pair and it is Megatron's order."""
+        out = schedules.interleaved_1f1b(p, v, m)
+        if p < 3:
+            return out
+        row, k = list(out[0]), 0
+        while k < len(row) - 1:
+            if row[k][0] == "F" and row[k][1] == 0 and row[k + 1][0] == "B":
+                row[k], row[k + 1] = row[k + 1], row[k]
+                k += 2
+            else:
+                k += 1
+        out[0] = row
+        return out
+
+    assert eager_first_rank(4, 2, 8) != schedules.interleaved_1f1b(4, 2, 8)
+    verdict = graders.interleaved_schedule(eager_first_rank)
+    assert verdict, verdict
+    assert "other than Megatron's" in verdict.detail
+
+
+def test_interleaved_schedule_wrong_message_order_between_neighbours():
+    def last_rank_backward_early(p, v, m):
+        # fine for the simulator's free messages, but rank 1 now receives a gradient before
+        # the activation rank 0 sent first: in-order point-to-point matching deadlocks
+        out = schedules.interleaved_1f1b(p, v, m)
+        row = list(out[-1])
+        for k in range(len(row) - 1):
+            if row[k][0] == "F" and row[k][1] == 0 and row[k + 1][0] == "B" and k > v * p:
+                row[k], row[k + 1] = row[k + 1], row[k]
+                break
+        out[-1] = row
+        return out
+
+    verdict = graders.interleaved_schedule(last_rank_backward_early)
+    assert not verdict and "matched in the order" in verdict.hint
+
+
+def test_interleaved_schedule_wrong_bubble_of_a_valid_order():
+    def gpipe_like(p, v, m):  # valid, but every forward before any backward: a big bubble
+        out = []
+        for row in schedules.interleaved_1f1b(p, v, m):
+            out.append([a for a in row if a[0] == "F"] + [a for a in row if a[0] == "B"])
+        return out
+
+    verdict = graders.interleaved_schedule(gpipe_like)
+    assert not verdict
+    assert "it runs, but its simulated bubble" in verdict.detail or "holds" in verdict.detail
 
 
 def test_interleaved_schedule_wrong_backward_chunks_not_reversed():

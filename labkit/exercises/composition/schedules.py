@@ -1,11 +1,16 @@
 """Notebook 10's schedule exercise: Megatron's interleaved 1F1B order, written as data.
 
 The learner writes ``my_interleaved(stages, chunks, m)``: one list per rank of ``("F", chunk, i)``
-/ ``("B", chunk, i)`` actions. The grader checks it can run
-(:func:`labkit.parallel.schedules.check_chunked_schedule`), compares it with
-:func:`labkit.parallel.schedules.interleaved_1f1b` for several
-``(p, v, m)``, simulates its bubble against ``(p - 1) / (v m)``, asks for a clear error when
-``m`` is not a multiple of ``p``, and plays it on 2 real gloo ranks
+/ ``("B", chunk, i)`` actions. The grader judges the order by what it does, not by its likeness
+to Megatron's: for several ``(p, v, m)`` it must run without deadlock
+(:func:`labkit.parallel.schedules.check_chunked_schedule`), with each pair of neighbours
+sending and receiving in the same order (:func:`~labkit.parallel.schedules.
+check_message_order`), its simulated bubble must be
+``(p - 1) / (v m)`` and no rank may hold more activations than Megatron's order
+(:func:`labkit.parallel.schedules.interleaved_1f1b`, :func:`~labkit.parallel.schedules.
+peak_in_flight`); a valid order that differs from Megatron's passes. Where an answer fails, its
+usual mistakes are named by comparing it with Megatron's. It also asks for a clear error when
+``m`` is not a multiple of ``p``, and plays the order on 2 real gloo ranks
 (:func:`labkit.check.on_ranks`, :func:`labkit.parallel.schedules.run_schedule`), where its
 gradients must equal the unpipelined step's.
 """
@@ -76,15 +81,69 @@ def _mistake(rank: int, p: int, v: int, m: int, got, want) -> NotYet | None:
         return NotYet(where, "the backwards go in the same groups of p micro-batches as the "
                              "forwards, with the chunks from last to first")
     lead = next((k for k, (kind, _, _) in enumerate(got) if kind == "B"), len(got))
-    rule = min((p - rank - 1) * 2 + (v - 1) * p, m * v)
-    expected = rule + (rule < m * v)  # the warm-up, then the first steady forward
-    if lead != expected:
-        said = "too short" if lead < expected else "too long"
-        return NotYet(where, f"warm-up {said}: rank r runs (p-r-1)*2 + (v-1)*p forwards first "
-                             f"(at most m*v), here ({p}-{rank}-1)*2 + ({v}-1)*{p} = {rule}, "
-                             f"then one more forward before its first backward")
+    want_lead = next((k for k, (kind, _, _) in enumerate(want) if kind == "B"), len(want))
+    if lead < want_lead:
+        return NotYet(where, f"warm-up too short: rank {rank} starts backward after {lead} "
+                             f"forwards, before the gradient it needs can be back. A micro-batch's "
+                             f"gradient returns to rank r only after it has gone through every "
+                             f"virtual stage after r's chunk and come back: count the forwards "
+                             f"rank r can run meanwhile (more for lower ranks, and p more for "
+                             f"each extra chunk)")
+    if lead > want_lead:
+        return NotYet(where, f"warm-up too long: rank {rank} runs {lead} forwards before its "
+                             f"first backward, more than it needs to stay busy; each one holds a "
+                             f"chunk's activations until its backward, so start the backwards as "
+                             f"soon as the first gradient can be back")
     return NotYet(where, "after the warm-up, alternate one forward and one backward; end with "
                          "the backwards still owed")
+
+
+def _judge(got, p: int, v: int, m: int):
+    """NotYet unless ``got`` runs, has interleaving's bubble and holds no more than Megatron's."""
+    from fractions import Fraction
+
+    from ...parallel import schedules
+
+    want = schedules.interleaved_1f1b(p, v, m)
+
+    def named(fallback_detail: str, fallback_hint: str) -> NotYet:
+        mistake = next((e for r in range(p) if (e := _mistake(r, p, v, m, got[r], want[r]))),
+                       None)
+        if mistake is None:
+            return NotYet(fallback_detail, fallback_hint)
+        return NotYet(f"{fallback_detail}; {mistake.detail.split(') ', 1)[1]}", mistake.hint)
+
+    try:
+        schedules.check_chunked_schedule(got, p, m, v)
+    except ValueError as err:
+        raise named(f"(p={p}, v={v}, m={m}): {err}",
+                    "every rank runs ('F', c, i) and ('B', c, i) once for each chunk c < v and "
+                    "micro-batch i < m, each after what it waits for") from None
+    try:
+        schedules.check_message_order(got, p, v)
+    except ValueError as err:
+        raise NotYet(f"(p={p}, v={v}, m={m}): {err}",
+                     "point-to-point messages between two ranks are matched in the order they "
+                     "are posted (as torch.distributed.pipelining and Megatron post them): a "
+                     "rank must receive in the order its neighbour sends, or both wait "
+                     "forever") from None
+    ideal = Fraction(p - 1, v * m)
+    bubble = schedules.simulate_chunked(got, p, m, v, f=Fraction(1), b=Fraction(1),
+                                        w=Fraction(0))["idle_per_compute"]
+    if bubble > ideal:
+        raise named(f"(p={p}, v={v}, m={m}): it runs, but its simulated bubble is {bubble} of "
+                    f"the compute, interleaved 1F1B's is (p-1)/(v m) = {ideal}",
+                    "a rank waits for work it could have had: keep every rank busy from its "
+                    "first forward to its last backward")
+    held, limit = (schedules.peak_in_flight(x, p, m, v) for x in (got, want))
+    worst = max(range(p), key=lambda r: held[r] - limit[r])
+    if held[worst] > limit[worst]:
+        raise named(f"(p={p}, v={v}, m={m}): bubble {bubble} as it should be, but rank {worst} "
+                    f"holds {held[worst]:g} stages' worth of activations at once, interleaved "
+                    f"1F1B {limit[worst]:g}",
+                    "a forward held longer than needed costs memory: run each backward as soon "
+                    "as its gradient can be there")
+    return got == want
 
 
 def _run_interleaved(schedule, m: int, chunks: int, seed: int = 0) -> dict:
@@ -110,43 +169,23 @@ def _run_interleaved(schedule, m: int, chunks: int, seed: int = 0) -> dict:
 
 @exercise("interleaved_schedule", notebook=NOTEBOOK, title="the interleaved 1F1B order")
 def interleaved_schedule(fn) -> str:
-    """Exercise: ``fn(stages, chunks, m)``, one list of ("F"/"B", chunk, i) per rank, is
-    Megatron's interleaved 1F1B.
+    """Exercise: ``fn(stages, chunks, m)``, one list of ("F"/"B", chunk, i) per rank, runs as
+    interleaved 1F1B does: its bubble, no more memory.
 
-    Checked with ``schedules.check_chunked_schedule`` and against ``schedules.interleaved_1f1b`` for
-    several (p, v, m), its simulated bubble against (p - 1) / (v m), ``m`` not a multiple of
-    ``p`` refused with a ValueError, then played on 2 gloo ranks by ``schedules.run_schedule``.
+    Checked for several (p, v, m) by what the order does: it runs without deadlock
+    (``schedules.check_chunked_schedule``), its simulated bubble is (p - 1) / (v m), no rank
+    holds more activations than ``schedules.interleaved_1f1b``'s order (another valid order
+    passes); ``m`` not a multiple of ``p`` refused with a ValueError; then played on 2 gloo
+    ranks by ``schedules.run_schedule``.
 
     Example::
 
         >>> exercise.interleaved_schedule(my_interleaved)
         [pass] the interleaved 1F1B order: ... bubble (p-1)/(v m) ... 2 gloo ranks ...
     """
-    from fractions import Fraction
-
-    from ...parallel import schedules
-
+    same = 0
     for p, v, m in _CASES:
-        got = _as_schedule(fn, p, v, m)
-        want = schedules.interleaved_1f1b(p, v, m)
-        try:
-            schedules.check_chunked_schedule(got, p, m, v)
-        except ValueError as err:
-            named = next((e for r in range(p) if (e := _mistake(r, p, v, m, got[r], want[r]))),
-                         None)
-            hint = named.hint if named else ("every rank runs ('F', c, i) and ('B', c, i) once "
-                                             "for each chunk c < v and micro-batch i < m")
-            where = f"; {named.detail.split(') ', 1)[1]}" if named else ""
-            raise NotYet(f"(p={p}, v={v}, m={m}): {err}{where}", hint) from None
-        for rank in range(p):
-            mistake = _mistake(rank, p, v, m, got[rank], want[rank])
-            if mistake is not None:
-                raise mistake
-        ideal = schedules.simulate_chunked(got, p, m, v, f=Fraction(1), b=Fraction(1),
-                                           w=Fraction(0))
-        if ideal["idle_per_compute"] != Fraction(p - 1, v * m):  # same order: cannot differ
-            raise NotYet(f"(p={p}, v={v}, m={m}): simulated bubble {ideal['idle_per_compute']}",
-                         "restart the kernel and run the notebook from the top")
+        same += _judge(_as_schedule(fn, p, v, m), p, v, m)
     try:
         odd = fn(2, 2, 3)
     except ValueError:
@@ -165,8 +204,11 @@ def interleaved_schedule(fn) -> str:
     if worst > _TOL or ranks[0]["loss_diff"] > _TOL:
         raise NotYet(f"on 2 ranks: gradients off by {worst:.1e}, loss by "
                      f"{ranks[0]['loss_diff']:.1e}",
-                     "the schedule matched the reference, so this is the runner: restart the "
+                     "the order passed the simulator, so this is the runner: restart the "
                      "kernel and run the notebook from the top")
-    return (f"Megatron's order for {len(_CASES)} (p, v, m) triples, simulated bubble "
-            f"(p-1)/(v m) exactly, m % p != 0 refused; played on 2 gloo ranks (v=2, m={m}) it "
-            f"gave the unpipelined gradients (within {worst:.0e})")
+    order = ("Megatron's order" if same == len(_CASES) else
+             f"a valid order ({len(_CASES) - same} of them other than Megatron's)")
+    return (f"{order} for {len(_CASES)} (p, v, m) triples: no deadlock, simulated bubble "
+            f"(p-1)/(v m) exactly, no rank holding more than interleaved 1F1B; m % p != 0 "
+            f"refused; played on 2 gloo ranks (v=2, m={m}) it gave the unpipelined gradients "
+            f"(within {worst:.0e})")
