@@ -457,3 +457,160 @@ def checkpoint_resume(resume) -> str:
                          "restore everything training carries: the model and the optimizer")
     return (f"resumed at step {last} on 2 ranks, steps {last + 1}-{steps} redone or run, final "
             f"weights bitwise those of an uninterrupted run")
+
+
+# ==== challenge: a sharded checkpoint, saved on n ranks and loaded on another number ==========
+# Graded on real ranks: saved on 4 and loaded on 2, saved on 2 and loaded on 4 (each time a
+# newer checkpoint over an older one), the loaded slices and step against the flat tensor they
+# came from, and the route: no data over the wire, each rank reading only the files it needs.
+
+_RS_CASES = (  # (save on, load on, numel, dtype): uneven slices, then an empty one
+    (4, 2, 10, "float64"), (2, 4, 3, "float32"))
+_RS_STEPS = (9, 10)  # saved in this order: the newest is 10, "10" sorts before "9" as text
+_RS_SMALL = 64  # bytes: a collective this small moves metadata (a step, a flag), not the data
+_RS_TIMEOUT = 120.0  # the first torch.save / torch.load in a fresh worker imports a good deal
+_RS_PLAN = ("save: each rank torch.save's its own slice with where it starts (the flat offset) "
+            "and the step, into a file named by step and rank (to a temporary name, then "
+            "os.replace); load: find the newest complete step, work out which old slices "
+            "overlap your new range [start, stop) from their offsets and sizes, read only "
+            "those, and cut your range out")
+
+
+def _rs_flat(numel: int, dtype: str, step: int):
+    import torch
+
+    return (torch.arange(numel, dtype=torch.float64) + 100 * step).to(getattr(torch, dtype))
+
+
+def _rs_save_worker(fn, folder: str, numel: int, dtype: str) -> list:
+    """Each rank: ``fn(shard, step, folder)`` for each step of ``_RS_STEPS``; the calls made."""
+    import torch.distributed as dist
+
+    from ..parallel import traffic
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for step in _RS_STEPS:
+        shard = _rs_flat(numel, dtype, step).tensor_split(world)[rank].clone()
+        with traffic.count_traffic() as t:
+            fn(shard, step, folder)
+        dist.barrier()  # every rank's files are written before the next save, or the load
+        out.append([(c.op, c.payload_bytes) for c in t.calls])
+    return out
+
+
+def _rs_load_worker(fn, folder: str, numel: int) -> dict:
+    """Each rank: ``fn(numel, folder) -> (shard, step)``, with the files it read counted."""
+    import torch
+
+    from ..parallel import traffic
+
+    reads, real = [], torch.load
+
+    def counting_load(f, *args, **kwargs):
+        reads.append(str(f))
+        return real(f, *args, **kwargs)
+
+    torch.load = counting_load
+    try:
+        with traffic.count_traffic() as t:
+            got = fn(numel, folder)
+    finally:
+        torch.load = real
+    shard, step = got if isinstance(got, tuple | list) and len(got) == 2 else (None, None)
+    return {"shard": shard.detach().clone() if isinstance(shard, torch.Tensor) else None,
+            "step": step, "returned": type(got).__name__, "reads": reads,
+            "calls": [(c.op, c.payload_bytes) for c in t.calls]}
+
+
+def _rs_ranges(numel: int, world: int) -> list[tuple[int, int]]:
+    import torch
+
+    out, at = [], 0
+    for part in torch.arange(numel).tensor_split(world):
+        out.append((at, at + len(part)))
+        at += len(part)
+    return out
+
+
+@exercise("resharded_checkpoint", notebook=NOTEBOOK,
+          title="challenge: a sharded checkpoint, loaded on another number of ranks")
+def resharded_checkpoint(save_fn, load_fn) -> str:
+    """Challenge: ``save_fn(shard, step, folder)`` on n ranks, ``load_fn(numel, folder) ->
+    (shard, step)`` on another number of them.
+
+    Saved on 4 real ranks and loaded on 2 (10 float64 numbers: uneven slices), then saved on 2
+    and loaded on 4 (3 float32 numbers: one rank's slice empty), each time a checkpoint of step
+    9 and then of step 10 in the same folder. Each rank's loaded slice and step must be the
+    newest checkpoint's, in its dtype; no collective may move the data (only small ones), and a
+    rank may read only the files whose slices overlap its own (and one more, for metadata).
+
+    Example::
+
+        >>> exercise.resharded_checkpoint(my_save, my_load)
+        [pass] challenge: a sharded checkpoint, loaded on another number of ranks: ...
+    """
+    import tempfile
+
+    import torch
+
+    for saved_on, loaded_on, numel, dtype in _RS_CASES:
+        where = f"saved on {saved_on} ranks, loaded on {loaded_on} ({numel} {dtype} numbers)"
+        with tempfile.TemporaryDirectory(prefix="labkit-reshard-") as folder:
+            saves = on_ranks(_rs_save_worker, save_fn, folder, numel, dtype, nproc=saved_on,
+                             timeout=_RS_TIMEOUT)
+            for rank, per_step in enumerate(saves):
+                big = [(op, b) for calls in per_step for op, b in calls if b > _RS_SMALL]
+                if big:
+                    raise NotYet(f"{where}: saving, rank {rank} sent {big[0][0]} of "
+                                 f"{big[0][1]} bytes", "each rank writes its own slice to its "
+                                 "own file: gathering the data on one rank is what a sharded "
+                                 "checkpoint avoids (the time and memory of the whole model on "
+                                 "one rank); " + _RS_PLAN)
+            loads = on_ranks(_rs_load_worker, load_fn, folder, numel, nproc=loaded_on,
+                             timeout=_RS_TIMEOUT)
+        new, old = _rs_ranges(numel, loaded_on), _rs_ranges(numel, saved_on)
+        flat = _rs_flat(numel, dtype, _RS_STEPS[-1])
+        for rank, got in enumerate(loads):
+            at = f"{where}, rank {rank}"
+            if got["shard"] is None:
+                raise NotYet(f"{at}: load returned {got['returned']}, not (shard, step)",
+                             "return (this rank's slice of the flat tensor, the step saved)")
+            lo, hi = new[rank]
+            want = flat[lo:hi]
+            if got["step"] != _RS_STEPS[-1]:
+                hint = ("the newest checkpoint is the largest step as a number: step 10 is "
+                        "newer than step 9, though '10' sorts before '9' as text")
+                raise NotYet(f"{at}: loaded step {got['step']}, the newest is {_RS_STEPS[-1]}",
+                             hint)
+            shard = got["shard"]
+            if str(shard.dtype) != f"torch.{dtype}":
+                raise NotYet(f"{at}: the slice is {shard.dtype}, it was saved as {dtype}",
+                             "keep the saved tensors' dtype: torch.cat of the loaded pieces "
+                             "does, torch.empty(n) is float32")
+            if tuple(shard.shape) != tuple(want.shape) or not torch.equal(shard, want):
+                own = _rs_flat(numel, dtype, _RS_STEPS[-1]).tensor_split(saved_on)
+                kept = rank < saved_on and shard.shape == own[rank].shape and torch.equal(
+                    shard, own[rank])
+                raise NotYet(f"{at}: loaded {shard.tolist()}, want elements {lo} to {hi - 1}: "
+                             f"{want.tolist()}",
+                             ("that is rank r's old slice, as if the number of ranks had not "
+                              "changed: cut the new ranges with tensor_split(new world) and "
+                              "assemble each from the old slices; " if kept else "")
+                             + _RS_PLAN)
+            big = [(op, b) for op, b in got["calls"] if b > _RS_SMALL]
+            if big:
+                raise NotYet(f"{at}: loading, it sent {big[0][0]} of {big[0][1]} bytes",
+                             "each rank reads what it needs from the files itself; no data "
+                             "needs to travel between ranks. " + _RS_PLAN)
+            overlap = sum(1 for a, b in old if b > a and a < hi and lo < b)
+            if len(got["reads"]) > overlap + 1:
+                raise NotYet(f"{at}: read {len(got['reads'])} files; only {overlap} old "
+                             f"slice(s) overlap its range [{lo}, {hi})",
+                             "read only the files whose slices overlap your range (plus at "
+                             "most one small file of metadata): a rank that reads every "
+                             "slice holds the whole model for a moment, which is what "
+                             "sharding avoids; " + _RS_PLAN)
+    return ("saved on 4 and loaded on 2, saved on 2 and loaded on 4 (uneven slices, an empty "
+            "one, float64 and float32): every rank got its new slice of the newest step, no "
+            "data over the wire, only the overlapping files read")
