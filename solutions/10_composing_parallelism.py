@@ -3,9 +3,9 @@
 # prints a block, and `python -m labkit.exercises` writes 10_composing_parallelism_solution.ipynb,
 # the notebook with these blocks in its exercise cells.
 
-# %% zero2_step
-def my_zero2_step(flat_params, flat_grad, update_shard):
-    """One ZeRO-2 step: reduce-scatter the gradient, update this rank's shard, all-gather."""
+# %% zero1_step
+def my_zero1_step(flat_params, flat_grad, update_shard):
+    """One ZeRO-1 step: reduce-scatter the gradient, update this rank's shard, all-gather."""
     world, rank = dist.get_world_size(), dist.get_rank()
     shard = flat_params.numel() // world
     grad_shard = torch.empty(shard, dtype=flat_grad.dtype, device=flat_grad.device)
@@ -39,27 +39,29 @@ def my_interleaved(stages, chunks, m):
         schedule.append(actions)
     return schedule
 
-# %% fit_degrees
-def my_degrees(model, cluster):
-    """A layout of model on cluster that fits: the least model parallelism that does."""
-    from labkit.planner import Degrees, PlanError, plan
-
-    node, n = cluster.devices_per_node, cluster.devices
-    candidates = [Degrees(dp=n // (tp * cp * pp), tp=tp, cp=cp, pp=pp, zero=zero)
-                  for tp in (1, 2, 4, 8) if tp <= node       # tp stays on NVLink
-                  for cp in (1, 2, 4, 8)                     # cp for long sequences
-                  for pp in (1, 2, 4, 8)
-                  if n % (tp * cp * pp) == 0                 # every device gets a place
-                  for zero in (1, 3)]                        # never a full Adam state per rank
-    # Fewest model-parallel ways first (they talk in every layer), then the lighter ZeRO stage.
-    candidates.sort(key=lambda d: (d.tp * d.cp * d.pp, d.zero))
-    for d in candidates:
-        try:
-            if plan(model, cluster, d).fits:
-                return d
-        except PlanError:  # pp not dividing the layers, cp not dividing the sequence, ...
-            continue
-    raise ValueError(f"no layout fits {model.name} on {cluster}")
+# %% layout_memory
+def my_memory(model, degrees):
+    """Bytes one device of pipeline stage 0 holds, by part, for model laid out as degrees."""
+    d = degrees
+    n = d.dp * d.cp                                   # the ranks that hold the same weights
+    local = model.params / (d.tp * d.pp)              # this device's share of the weights
+    parts = {"params": model.param_bytes * local, "grads": model.grad_bytes * local,
+             "optimizer": model.optimizer_bytes * local}
+    for part, stage in (("optimizer", 1), ("grads", 2), ("params", 3)):
+        if d.zero >= stage:                           # ZeRO shards from its stage on
+            parts[part] /= n
+    # One layer, one micro-batch, in units of s*b*h*act_bytes (flash attention, no dropout).
+    tokens = model.seq_len / d.cp                     # context parallelism splits the sequence
+    unit = tokens * model.micro_batch * model.hidden * model.act_bytes
+    whole = 4                                         # norms' inputs, QKV's and fc1's inputs
+    split = 2 + 2 * model.kv_heads / model.heads + 2 * model.ffn / model.hidden
+    if d.tp > 1 and d.sp:
+        per_layer = (whole + split) * unit / d.tp     # sequence parallelism splits it all
+    else:
+        per_layer = (whole + split / d.tp) * unit
+    in_flight = min(d.pp, d.m) if d.pp > 1 else 1     # 1F1B's stage 0
+    parts["activations"] = in_flight * (model.layers / d.pp) * per_layer
+    return parts
 
 # %% zero3_linear
 def gather_layer(shard, in_features, out_features):

@@ -1,4 +1,4 @@
-"""Notebook 10's ZeRO-2 grader: the solution passes, known wrong answers get their hint.
+"""Notebook 10's ZeRO-1 grader: the solution passes, known wrong answers get their hint.
 
 The grader runs on 2 and then 4 warm gloo ranks; a wrong answer is usually caught on 2.
 """
@@ -39,64 +39,64 @@ def _mine(flat_params):
     return slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
 
 
-def test_zero2_step_solution_passes_on_2_and_4_ranks():
-    verdict = grader.zero2_step(_solution("zero2_step")["my_zero2_step"])
+def test_zero1_step_solution_passes_on_2_and_4_ranks():
+    verdict = grader.zero1_step(_solution("zero1_step")["my_zero1_step"])
     assert verdict, verdict
     assert "on 2 and 4 gloo ranks" in verdict.detail
     assert "1,184 and 1,776 bytes" in verdict.detail  # 296 floats: (n-1)/n * 1184 * 2
 
 
-def test_zero2_step_wrong_all_reduce_instead_of_reduce_scatter():
+def test_zero1_step_wrong_all_reduce_instead_of_reduce_scatter():
     def all_reduce(flat_params, flat_grad, update_shard):
         dist.all_reduce(flat_grad)
         flat_grad /= dist.get_world_size()
         mine = _mine(flat_params)
         dist.all_gather_into_tensor(flat_params, update_shard(flat_params[mine], flat_grad[mine]))
 
-    verdict = grader.zero2_step(all_reduce)
+    verdict = grader.zero1_step(all_reduce)
     assert not verdict and "right parameters, but the gradient went through an all-reduce" \
         in verdict.detail
     assert "every rank held the full averaged gradient" in verdict.hint
 
 
-def test_zero2_step_wrong_forgot_to_average():
+def test_zero1_step_wrong_forgot_to_average():
     def summed(flat_params, flat_grad, update_shard):
         new = update_shard(flat_params[_mine(flat_params)], _scatter(flat_grad, average=False))
         dist.all_gather_into_tensor(flat_params, new)
 
-    verdict = grader.zero2_step(summed)
+    verdict = grader.zero1_step(summed)
     assert not verdict and "2 times the average" in verdict.detail
     assert verdict.hint.startswith("forgot to average")
 
 
-def test_zero2_step_wrong_shard_offset():
+def test_zero1_step_wrong_shard_offset():
     def offset_by_rank(flat_params, flat_grad, update_shard):
         n, r = flat_params.numel() // dist.get_world_size(), dist.get_rank()
         new = update_shard(flat_params[r:r + n], _scatter(flat_grad))  # rank, not rank * n
         dist.all_gather_into_tensor(flat_params, new)
 
-    verdict = grader.zero2_step(offset_by_rank)
+    verdict = grader.zero1_step(offset_by_rank)
     assert not verdict and "rank 1" in verdict.detail
     assert verdict.hint.startswith("updated the wrong shard") and "rank * shard" in verdict.hint
 
 
-def test_zero2_step_wrong_shard_of_another_rank():
+def test_zero1_step_wrong_shard_of_another_rank():
     def always_shard_0(flat_params, flat_grad, update_shard):
         n = flat_params.numel() // dist.get_world_size()
         new = update_shard(flat_params[:n], _scatter(flat_grad))
         dist.all_gather_into_tensor(flat_params, new)
 
-    verdict = grader.zero2_step(always_shard_0)
+    verdict = grader.zero1_step(always_shard_0)
     assert not verdict and "updated shard 0, not its own shard 1" in verdict.detail
     assert verdict.hint.startswith("updated the wrong shard")
 
 
-def test_zero2_step_wrong_forgot_the_all_gather():
+def test_zero1_step_wrong_forgot_the_all_gather():
     def no_gather(flat_params, flat_grad, update_shard):
         mine = _mine(flat_params)
         flat_params[mine] = update_shard(flat_params[mine], _scatter(flat_grad))
 
-    verdict = grader.zero2_step(no_gather)
+    verdict = grader.zero1_step(no_gather)
     assert not verdict and "the ranks' parameters diverge" in verdict.detail
     assert verdict.hint.startswith("forgot the all-gather")
 
@@ -111,18 +111,18 @@ def _ring_all_gather(flat, mine_index):
             work.wait()
 
 
-def test_zero2_step_gathered_by_an_isend_irecv_ring_passes():
+def test_zero1_step_gathered_by_an_isend_irecv_ring_passes():
     def ring(flat_params, flat_grad, update_shard):
         mine = _mine(flat_params)
         flat_params[mine] = update_shard(flat_params[mine], _scatter(flat_grad))
         _ring_all_gather(flat_params, dist.get_rank())
 
-    verdict = grader.zero2_step(ring)
+    verdict = grader.zero1_step(ring)
     assert verdict, verdict
     assert "1,184 and 1,776 bytes" in verdict.detail
 
 
-def test_zero2_step_wrong_parameters_gathered_with_an_all_reduce():
+def test_zero1_step_wrong_parameters_gathered_with_an_all_reduce():
     def all_reduce_gather(flat_params, flat_grad, update_shard):
         mine = _mine(flat_params)
         new = update_shard(flat_params[mine], _scatter(flat_grad))
@@ -130,59 +130,59 @@ def test_zero2_step_wrong_parameters_gathered_with_an_all_reduce():
         flat_params[mine] = new
         dist.all_reduce(flat_params)  # the other shards are zero here: a sum gathers them
 
-    verdict = grader.zero2_step(all_reduce_gather)
+    verdict = grader.zero1_step(all_reduce_gather)
     assert not verdict and "right parameters, but gathered with an all-reduce" in verdict.detail
     assert "1,184 bytes sent after update_shard, where an all-gather sends 592" in verdict.detail
     assert "forgot the all-gather" not in verdict.hint and "twice" in verdict.hint
 
 
-def test_zero2_step_wrong_gathered_before_updating():
+def test_zero1_step_wrong_gathered_before_updating():
     def gather_first(flat_params, flat_grad, update_shard):
         mine = _mine(flat_params)
         grad = _scatter(flat_grad)
         dist.all_gather_into_tensor(flat_params, flat_params[mine].clone())
         flat_params[mine] = update_shard(flat_params[mine], grad)
 
-    verdict = grader.zero2_step(gather_first)
+    verdict = grader.zero1_step(gather_first)
     assert not verdict and "before update_shard ran" in verdict.detail
     assert verdict.hint.startswith("all-gathered before updating")
 
 
-def test_zero2_step_wrong_broadcast_from_rank_0():
+def test_zero1_step_wrong_broadcast_from_rank_0():
     def broadcast(flat_params, flat_grad, update_shard):
         mine = _mine(flat_params)
         flat_params[mine] = update_shard(flat_params[mine], _scatter(flat_grad))
         dist.broadcast(flat_params, src=0)
 
-    verdict = grader.zero2_step(broadcast)
+    verdict = grader.zero1_step(broadcast)
     assert not verdict and "every rank ends with rank 0's copy" in verdict.detail
     assert "a broadcast from rank 0" in verdict.hint
 
 
-def test_zero2_step_wrong_not_in_place():
+def test_zero1_step_wrong_not_in_place():
     def returns_a_copy(flat_params, flat_grad, update_shard):
         out = torch.empty_like(flat_params)
         dist.all_gather_into_tensor(out, update_shard(flat_params[_mine(flat_params)],
                                                       _scatter(flat_grad)))
         return out
 
-    verdict = grader.zero2_step(returns_a_copy)
+    verdict = grader.zero1_step(returns_a_copy)
     assert not verdict and "flat_params was left as it was" in verdict.detail
     assert "in place" in verdict.hint
 
 
-def test_zero2_step_wrong_update_called_on_the_whole_model():
+def test_zero1_step_wrong_update_called_on_the_whole_model():
     def whole_model(flat_params, flat_grad, update_shard):
         flat_params.copy_(update_shard(flat_params, flat_grad))
 
-    verdict = grader.zero2_step(whole_model)
+    verdict = grader.zero1_step(whole_model)
     assert not verdict and "update_shard got shards of shapes (296,) and (296,)" in verdict.detail
     assert "numel // world elements" in verdict.hint
 
 
-def test_zero2_step_wrong_not_written_yet_is_seen_without_running():
+def test_zero1_step_wrong_not_written_yet_is_seen_without_running():
     def untouched(flat_params, flat_grad, update_shard):
         raise NotImplementedError("your code here")
 
-    verdict = grader.zero2_step(untouched)
+    verdict = grader.zero1_step(untouched)
     assert not verdict and "not written yet" in verdict.detail

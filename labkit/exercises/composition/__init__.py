@@ -1,10 +1,10 @@
-"""Notebook 10's exercises: ZeRO-2's step, the interleaved pipeline schedule, degrees that fit.
+"""Notebook 10's exercises: ZeRO-1's step, the interleaved pipeline schedule, degrees that fit.
 
 One submodule per topic, each beside what it grades (:mod:`labkit.parallel.zero`,
 :mod:`labkit.parallel.schedules`, :mod:`labkit.planner`); the notebook imports this package::
 
     from labkit.exercises import composition as exercise
-    exercise.zero2_step(my_zero2_step)
+    exercise.zero1_step(my_zero1_step)
 """
 
 from .planner import *  # noqa: F403

@@ -1,9 +1,11 @@
-"""Notebook 10's ZeRO exercise: the communication of one ZeRO-2 step, on flat tensors.
+"""Notebook 10's ZeRO exercise: the communication of one ZeRO-1 step, on flat tensors.
 
-The learner writes ``my_zero2_step(flat_params, flat_grad, update_shard)``; the grader runs it on
+(ZeRO-2 does the same two collectives, its reduce-scatter moved into backward.)
+
+The learner writes ``my_zero1_step(flat_params, flat_grad, update_shard)``; the grader runs it on
 2 and 4 real gloo ranks (:func:`labkit.check.on_ranks`) for 3 steps of a small model, beside
 plain data parallelism, and watches what it sent (:func:`labkit.parallel.traffic.count_traffic`)
-as well as what it computed: an all-reduce gives the right numbers but is not ZeRO-2.
+as well as what it computed: an all-reduce gives the right numbers but is not ZeRO.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from ...check import NotYet, exercise, on_ranks
 
 NOTEBOOK = "10"
-__all__ = ["zero2_step"]
+__all__ = ["zero1_step"]
 
 _STEPS, _LR, _TOL = 3, 1e-2, 1e-5
 _WIDTH, _DEPTH = 4, 2  # mlp_blocks(2, 4): 296 parameters, a multiple of 2 and of 4
@@ -28,7 +30,7 @@ def _which(t, shards, world=None):
     return None
 
 
-def _zero2_probe(fn, steps: int = _STEPS, seed: int = 0) -> dict:
+def _zero1_probe(fn, steps: int = _STEPS, seed: int = 0) -> dict:
     """Grading worker: ``fn`` for ``steps`` steps beside data parallelism; what it did, per step.
 
     Every rank trains ``mlp_blocks(2, 4)`` on its own batches. Before each call the full
@@ -197,7 +199,7 @@ def _step_mistake(where: str, s: dict, world: int, numel: int) -> NotYet | None:
         return NotYet(f"{where}: right parameters, but the gradient went through an all-reduce "
                       f"({ops})",
                       "right answer, but every rank held the full averaged gradient: that is "
-                      "data parallelism, not ZeRO-2. reduce_scatter_tensor gives each rank only "
+                      "data parallelism, not ZeRO. reduce_scatter_tensor gives each rank only "
                       "its shard of the sum (half an all-reduce's traffic)")
     half = (world - 1) * 4 * numel // world  # a reduce-scatter's, or an all-gather's, bytes
     if "all_reduce" in param_ops:
@@ -221,11 +223,11 @@ def _step_mistake(where: str, s: dict, world: int, numel: int) -> NotYet | None:
     return None
 
 
-@exercise("zero2_step", notebook=NOTEBOOK,
-          title="ZeRO-2's step: reduce-scatter the gradients, update your shard, all-gather the "
+@exercise("zero1_step", notebook=NOTEBOOK,
+          title="ZeRO-1's step: reduce-scatter the gradients, update your shard, all-gather the "
                 "parameters")
-def zero2_step(fn) -> str:
-    """Exercise: ``fn(flat_params, flat_grad, update_shard)``, one ZeRO-2 step's communication.
+def zero1_step(fn) -> str:
+    """Exercise: ``fn(flat_params, flat_grad, update_shard)``, one ZeRO-1 step's communication.
 
     ``flat_params``: the model's parameters as one flat fp32 tensor, the same on every rank
     (its numel divides by the world size); ``flat_grad``: this rank's full local gradient, same
@@ -237,12 +239,12 @@ def zero2_step(fn) -> str:
 
     Example::
 
-        >>> exercise.zero2_step(my_zero2_step)
-        [pass] ZeRO-2's step: ...: equal to data parallelism for 3 steps on 2 and 4 ranks ...
+        >>> exercise.zero1_step(my_zero1_step)
+        [pass] ZeRO-1's step: ...: equal to data parallelism for 3 steps on 2 and 4 ranks ...
     """
     sent = {}
     for world in (2, 4):
-        ranks = on_ranks(_zero2_probe, fn, nproc=world, timeout=120)
+        ranks = on_ranks(_zero1_probe, fn, nproc=world, timeout=120)
         numel, shard = ranks[0]["numel"], ranks[0]["shard"]
         for step in range(_STEPS):
             # What every rank handed update_shard first: one rank's wrong shard spoils the
