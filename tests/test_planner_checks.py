@@ -266,3 +266,16 @@ def test_advice_agrees_with_the_course():
     q = plan(long, eight, Degrees(tp=8, zero=0))
     helps = q.why.split("What would help")[1]
     assert not q.fits and "selective recomputation" in helps and "checkpointing" in helps
+
+
+def test_explorer_loads_llama3_with_its_unequal_stages():
+    pytest.importorskip("ipywidgets")
+    from labkit import explorers
+
+    box = explorers.planner_explorer()
+    box.controls["preset"].value = "llama3-405b"
+    p = box.plan()
+    assert p is not None and p.degrees.stage_layers == (7,) + (8,) * 14 + (7,)
+    assert p.degrees.keep_gathered
+    box.controls["zero"].value = 1  # ZeRO-1 instead of FSDP: nothing kept gathered
+    assert box.plan() is not None and not box.plan().degrees.keep_gathered

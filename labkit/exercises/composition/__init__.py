@@ -1,4 +1,4 @@
-"""Notebook 10's exercises: ZeRO-1's step, the interleaved pipeline schedule, degrees that fit.
+"""Notebook 10's exercises: ZeRO-1's step, the interleaved 1F1B order, a layout's memory.
 
 One submodule per topic, each beside what it grades (:mod:`labkit.parallel.zero`,
 :mod:`labkit.parallel.schedules`, :mod:`labkit.planner`); the notebook imports this package::
