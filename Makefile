@@ -22,6 +22,9 @@ NOTEBOOKS := $(sort $(wildcard notebooks/*.ipynb))
 # Each worker keeps its own warm ranks and starts its own launches, so more workers than cores
 # oversubscribe the CPU (timeouts) and the memory; --dist loadfile keeps a file's tests (a
 # notebook's cells, one kernel) on one worker, in order. JOBS=0: everything in one process.
+# A worker that dies (the OOM killer, a segfault) fails the run at once: xdist's replacement
+# worker could leave the run waiting forever on the dead one's file.
+XDIST = --dist loadfile --max-worker-restart=0
 JOBS    ?= $(shell nproc 2>/dev/null || echo 2)
 NB_JOBS ?= $(JOBS)
 TIMES   := .pytest_cache/labkit-times
@@ -59,7 +62,7 @@ lint: install
 	$(PY) -m ruff check labkit tests
 
 unit: install
-	$(SINGLE_THREAD) $(PY) -m pytest -n $(JOBS) --dist loadfile \
+	$(SINGLE_THREAD) $(PY) -m pytest -n $(JOBS) $(XDIST) \
 		-p tests.timing_report --labkit-times=unit tests
 
 notebooks: install
@@ -67,7 +70,7 @@ ifeq ($(NOTEBOOKS),)
 	@echo ">> no notebooks yet"
 else
 	LABKIT_PROFILE=smoke LABKIT_HOME=$(CURDIR)/.pytest_cache/labkit-home $(SINGLE_THREAD) \
-		$(PY) -m pytest -n $(NB_JOBS) --dist loadfile -p tests.notebook_budget \
+		$(PY) -m pytest -n $(NB_JOBS) $(XDIST) -p tests.notebook_budget \
 		-p tests.solution_cells -p tests.timing_report --labkit-times=notebooks \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS) \
 		$(sort $(wildcard solutions/*.ipynb))
