@@ -279,3 +279,14 @@ def test_explorer_loads_llama3_with_its_unequal_stages():
     assert p.degrees.keep_gathered
     box.controls["zero"].value = 1  # ZeRO-1 instead of FSDP: nothing kept gathered
     assert box.plan() is not None and not box.plan().degrees.keep_gathered
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_cp_bytes_are_notebook_09s_ring_formula(world):
+    from labkit.parallel import context
+
+    seq, heads, head_dim = 1024, 8, 64
+    model = Model("ring", params=1e6, layers=1, hidden=heads * head_dim, heads=heads,
+                  seq_len=seq, micro_batch=1, act_bytes=4)
+    ring = context.ring_bytes_formula(seq, 1, heads, head_dim, world, element_size=4)
+    assert comm_bytes(model, Degrees(cp=world))["cp"] == ring["forward"] + ring["backward"]
