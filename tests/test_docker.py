@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 INSTALL = DOCKER / "install-labkit.sh"
 ENTRYPOINT = DOCKER / "entrypoint.sh"
+# `make container-check` (tests/container/check.sh) builds the image for real with buildah and
+# runs it; the tests below check what can be checked without buildah.
+CONTAINER = ROOT / "tests" / "container"
+CHECK = CONTAINER / "check.sh"
+STANDIN_ENTRYPOINT = CONTAINER / "nvidia_entrypoint.sh"
 
 # What NGC 25.12 ships (a pre-release with a local label: the hardest case for a resolver) and
 # what PyPI would offer instead.
@@ -110,10 +115,86 @@ def test_dockerfile_starts_from_a_pinned_ngc_tag_and_installs_through_the_script
             assert (ROOT / path).exists(), f"the Dockerfile copies {path}, which is missing"
 
 
+def test_every_stage_that_runs_pip_accepts_a_proxys_ca_bundle():
+    """Behind a TLS-inspecting proxy pip needs the proxy's CA: `--build-arg PIP_CERT=...` with
+    the bundle mounted. A build argument reaches RUN only in a stage that declares it."""
+    stages = re.split(r"^FROM ", (DOCKER / "Dockerfile").read_text(), flags=re.M)[1:]
+    for stage in stages:
+        if re.search(r"^RUN .*(pip|labkit-install)", stage, re.M):
+            assert re.search(r"^ARG PIP_CERT$", stage, re.M), \
+                f"FROM {stage.splitlines()[0]}: declare ARG PIP_CERT"
+
+
+def test_the_ngc_stand_in_follows_the_dockerfiles_tag():
+    """The container check builds its NGC stand-in under the Dockerfile's tag; its notes name
+    that release and NVIDIA's torch for it, so a bumped tag shows up here."""
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    release = re.search(r"^ARG NGC_TAG=(\d\d\.\d\d)-py3$", dockerfile, re.M).group(1)
+    nv_torch = re.search("NGC " + re.escape(release) + r": PyTorch (\S+),", dockerfile).group(1)
+    standin = (CONTAINER / "ngc-standin.Containerfile").read_text()
+    assert f"NGC {release}'s release notes" in standin and nv_torch in standin
+    assert f"ARG NGC_RELEASE={release}" in standin
+    assert "sed -n 's/^ARG NGC_TAG=//p'" in CHECK.read_text(), "the check reads the tag"
+
+
+# ---- the stand-in for NVIDIA's entrypoint -----------------------------------------------------
+
+def standin_entrypoint(*args, stdin=None):
+    env = {**os.environ, "NVIDIA_PYTORCH_VERSION": "25.12", "PYTORCH_VERSION": "2.13.0+cpu"}
+    return subprocess.run(["bash", str(STANDIN_ENTRYPOINT), *args], capture_output=True,
+                          text=True, timeout=30, env=env, input=stdin)
+
+
+def test_standin_entrypoint_prints_versions_warns_without_gpu_and_execs_its_arguments():
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("a GPU is visible here: the no-GPU warning cannot be shown")
+    out = standin_entrypoint("sh", "-c", 'echo "ran: $0 $1"; exit 3', "a", "b")
+    assert out.returncode == 3, "the exit status of the command must come through"
+    lines = out.stdout.splitlines()
+    assert "NVIDIA Release 25.12" in out.stdout and "PyTorch Version 2.13.0+cpu" in out.stdout
+    assert "WARNING: The NVIDIA Driver was not detected." in out.stdout
+    assert lines[-1] == "ran: a b", "the banner comes first, then the command"
+
+
+def test_standin_entrypoint_without_arguments_starts_a_shell():
+    out = standin_entrypoint(stdin="echo shell-here $0\n")
+    assert out.returncode == 0 and "shell-here" in out.stdout.splitlines()[-1]
+
+
+# ---- make container-check's skips ---------------------------------------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the check as another user")
+def test_container_check_skips_with_a_sentence_when_not_root():
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          "bash", str(CHECK)], capture_output=True, text=True, timeout=60,
+                         cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("container-check: skipped: it needs root (buildah's overlay "
+                                  "storage, chroot isolation, a network namespace).")
+
+
+def test_container_check_skips_with_a_sentence_when_buildah_is_missing(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("as another user the root check speaks first (tested above)")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "date", "dirname", "id", "debootstrap", "socat", "curl", "ip", "ss",
+                 "flock"):
+        where = shutil.which(tool)
+        if where:
+            (bin_dir / tool).symlink_to(where)
+    out = subprocess.run(["bash", str(CHECK)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": str(bin_dir)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("container-check: skipped: buildah is missing; as root: "
+                                 "apt-get install buildah")
+
+
 # ---- shellcheck -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("script", [INSTALL, ENTRYPOINT, ROOT / ".ci" / "run"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [INSTALL, ENTRYPOINT, ROOT / ".ci" / "run", CHECK,
+                                    STANDIN_ENTRYPOINT], ids=lambda p: p.name)
 def test_scripts_are_shellcheck_clean_and_executable(script):
     shellcheck = (shutil.which("shellcheck", path=str(Path(sys.executable).parent))
                   or shutil.which("shellcheck"))
