@@ -4,6 +4,11 @@ The kernel is only a controller: it never forks and never touches CUDA. Each run
 ``python -m torch.distributed.run`` (torchrun's elastic agent, c10d rendezvous) in a session of
 its own, with :mod:`labkit._worker` as the entry point of every rank. The job travels by value
 with cloudpickle, so functions, classes and closures defined in notebook cells work.
+
+The module is long (past 800 lines) because the cold path and the warm pool (:class:`Workers`)
+share one supervision engine and its private state: the output reader (``_Output``), the checks
+and clock (``_Watch``), the uninterruptible teardown (``_Shield``, ``_stop``) and the reading of
+how each rank ended.
 """
 
 from __future__ import annotations
@@ -420,16 +425,21 @@ def _torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
 # torchrun, but asked (PR_SET_PDEATHSIG) to get SIGTERM when the controller dies for any reason,
 # SIGKILL included: the agent then stops its workers itself, and removes the run folder that the
 # dead controller no longer can. Runs torchrun in this same process (no extra interpreter).
-# SIGTERM raises SystemExit from the first line on (Python's default would end the process
-# without the clean-up), until torchrun installs its own handler, which raises too; a second one
-# (a rank's watchdog sends it too) must not cut the clean-up short, so it is ignored from then on.
+# SIGTERM ends it at once as Python's default would, but removes the run folder first when the
+# controller is gone (from the first line on: a kernel killed while its pool starts leaves none).
+# torchrun is told not to take SIGTERM over (TORCHELASTIC_SIGNALS_TO_HANDLE, read by its
+# PContext.start): its graceful shutdown could be cut short by a rank watchdog's second SIGTERM
+# before the folder is removed. The ranks end by themselves (watchdog, FIFO end) or by _stop.
 # Each rank's exit status is written to the run folder as the agent reaps it (exit_file): torchrun
 # reports non-zero codes only, and the controller is no parent of the ranks to see them itself.
 _AGENT_BOOT = (
     "import os,sys,signal,shutil,subprocess\n"
     "parent, run_dir = int(sys.argv[1]), sys.argv[-1]\n"
-    "def stop(*_): sys.exit('labkit: stopped')\n"
+    "def stop(*_):\n"
+    "    if os.getppid() != parent: shutil.rmtree(run_dir, ignore_errors=True)\n"
+    "    os._exit(128 + signal.SIGTERM)\n"
     "signal.signal(signal.SIGTERM, stop)\n"
+    "os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = 'SIGINT,SIGHUP,SIGQUIT'\n"
     "def noting(method):\n"
     "    def noted(self, *args, **kwargs):\n"
     "        out = method(self, *args, **kwargs)\n"
@@ -647,9 +657,14 @@ class _Watch:
             if gone or (failed and (task is None or task.settled(run.run_dir))):
                 # Stop the peers now rather than after torchrun's own (up to 30 s) shutdown,
                 # or never (torchrun takes a rank's exit code 0 for success, and waits).
-                self.dead = gone or _silently_dead(run.run_dir, self.job.mode == "script")
+                script = self.job.mode == "script"
+                self.dead = gone or _silently_dead(run.run_dir, script)
                 if self.dead and not _await_exits(run.run_dir, self.dead):
                     _await_agent(run, out, task)  # let torchrun say how the rank died
+                if script and not failed:  # its exit status may have said "ended with code 0"
+                    self.dead = _silently_dead(run.run_dir, script)
+                    if not self.dead:
+                        return False
                 _stop(run)
                 self.stopped = True
                 return False

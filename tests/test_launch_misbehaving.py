@@ -302,6 +302,7 @@ def form_own_group():
     import torch
     import torch.distributed as dist
 
+    dist.barrier()  # every rank has formed the group: destroying it cannot fail a peer's forming
     dist.destroy_process_group()
     dist.init_process_group("gloo")  # env://, as a script does
     t = torch.ones(1)
