@@ -478,3 +478,52 @@ def test_a_kernel_killed_while_its_warm_workers_start_leaves_no_folder(tmp_path,
         proc.wait()
     assert wait_until(lambda: not workers_of(proc.pid), 20), "a worker outlived its kernel"
     assert wait_until(lambda: not list(private.iterdir()), 10), list(private.rglob("*"))
+
+
+# ---- the pieces, without processes -----------------------------------------------------------
+
+
+def test_a_long_line_travels_in_atomic_pieces_and_is_joined_whole(capsys):
+    import select
+
+    from labkit._worker import _frames
+    from labkit.launcher import _Output
+
+    line = ("é" * 3000 + "x" * 5000).encode()
+    frames = _frames(b"[rank1] ", line, last=True)
+    assert len(frames) > 2 and all(len(f) <= select.PIPE_BUF for f in frames)
+    out = _Output(None)
+    out.route("[rank0] between the pieces")  # another rank's line can come in between
+    for frame in frames:
+        out.route(frame.decode().rstrip("\n"))  # every piece decodes: no character is cut
+    out.flush()
+    assert out.logs == {0: ["between the pieces"], 1: [line.decode()]}
+    assert capsys.readouterr().out.splitlines()[-1] == "[rank1] " + line.decode()
+
+
+def test_interrupts_during_a_teardown_wait_until_it_is_over():
+    import _thread
+
+    from labkit.launcher import _Shield
+
+    done = []
+
+    def teardown():
+        for _ in range(5):  # a learner pressing stop again and again
+            _thread.interrupt_main()
+            time.sleep(0.05)
+        done.append(True)
+
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _Shield(teardown):
+                _thread.interrupt_main()  # the first interrupt stops the block...
+                time.sleep(1)
+        assert done == [True], "...and none of the later ones cut the teardown short"
+        with pytest.raises(KeyboardInterrupt):  # one during the teardown of a block that ended
+            with _Shield(lambda: _thread.interrupt_main() or time.sleep(0.1)):
+                pass
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert signal.getsignal(signal.SIGINT) is handler
