@@ -1001,8 +1001,13 @@ def _has_outcome(run_dir: Path, rank: int) -> bool:
 
 
 def _without_outcome(run_dir: Path, nproc: int) -> list[int]:
-    """Ranks that neither returned nor raised (after the run: every rank has ended)."""
-    return [r for r in range(nproc) if not _has_outcome(run_dir, r)]
+    """Ranks that neither returned nor raised (after the run: every rank has ended).
+
+    The files are named by global rank: on node k of a multi-node run this node's ranks are
+    k * nproc onwards, so the ranks asked about are those that registered here.
+    """
+    ranks = sorted(_rank_pids(run_dir)) or range(nproc)
+    return [r for r in ranks if not _has_outcome(run_dir, r)]
 
 
 def _recorded_exits(run_dir: Path) -> dict[int, tuple[int, float]]:
