@@ -209,13 +209,14 @@ def launch(
             fn, args, kwargs, timeout, show_ranks, wait=warm is True)
         if result is not None:
             return result  # (None: the pool is busy with a run of another thread: go cold)
-    run_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))  # mkdtemp makes it 0700
+    run_dir = _new_run_dir()
     started: list[_Run] = []
 
     def cleanup():  # whatever ended the run: no process, and no folder unless asked to keep it
         for run in started:
             _stop(run)
         if keep_run_dir:
+            (run_dir / _KEPT).touch()  # asked for: no later sweep takes it
             print(f"[labkit] run folder kept: {run_dir}")
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -1216,6 +1217,53 @@ def _print_other_nodes(fn, nproc: int, nnodes: int, node_rank: int, rdzv_endpoin
     sys.stdout.flush()
 
 
+_KEPT = "kept"  # in a run folder that keep_run_dir=True asked to keep
+
+
+def _new_run_dir() -> Path:
+    """A private (0700) run folder named after this controller: ``labkit-run-<pid>.<start>-``.
+
+    torchrun's agent removes the folder of a controller that died, but a kernel killed in the
+    moment between making the folder and starting the agent leaves it with nobody to remove
+    it; the name lets the next launch (or :func:`stop_workers`) see that its owner is gone.
+    """
+    sweep_run_folders()
+    return Path(tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}.{_started(os.getpid())}-"))
+
+
+def _started(pid: int) -> int | None:
+    import psutil
+
+    try:
+        return round(psutil.Process(pid).create_time())
+    except (psutil.Error, OSError):
+        return None
+
+
+def sweep_run_folders() -> list[Path]:
+    """Remove the run folders of controllers that are gone, and return them.
+
+    A folder belongs to the process whose pid and start time its name holds; it is left where
+    that process still runs (a pid reused by a later process does not count), where it was kept
+    on purpose (``keep_run_dir=True``), or where it is another user's.
+    """
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{RUN_PREFIX}*.*-*"):
+        owner = re.fullmatch(rf"{re.escape(RUN_PREFIX)}(\d+)\.(\d+)-\w+", folder.name)
+        try:
+            if (owner is None or not folder.is_dir() or (folder / _KEPT).exists()
+                    or folder.stat().st_uid != os.getuid()):
+                continue
+        except OSError:
+            continue
+        pid, start = int(owner[1]), int(owner[2])
+        now = _started(pid)
+        if now is None or abs(now - start) > 1:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def stray_workers() -> list[str]:
     """Worker processes that this process's ``labkit.launch`` runs left alive: should be none.
 
@@ -1477,7 +1525,7 @@ class Workers:
         """Start torchrun in serve mode and wait until every rank has formed the group."""
         __tracebackhide__ = True
         began = time.monotonic()
-        self._run_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX))
+        self._run_dir = _new_run_dir()
         try:
             for rank in range(self.nproc):
                 path = self._run_dir / fifo_file(rank)
@@ -1665,6 +1713,7 @@ def stop_workers() -> int:
         pool.stop()
     with _Shield(_end_strays):
         pass
+    sweep_run_folders()
     return len(pools)
 
 

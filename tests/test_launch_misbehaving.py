@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import cloudpickle
 import psutil
@@ -480,6 +481,58 @@ def test_a_kernel_killed_while_its_warm_workers_start_leaves_no_folder(tmp_path,
         proc.wait()
     assert wait_until(lambda: not workers_of(proc.pid), 20), "a worker outlived its kernel"
     assert wait_until(lambda: not list(private.iterdir()), 10), list(private.rglob("*"))
+
+
+def _folder_of(private, pid: int, start: int):
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"labkit-run-{pid}.{start}-", dir=private))
+
+
+@pytest.mark.timeout(120)
+def test_a_folder_whose_kernel_died_before_torchrun_started_is_swept(tmp_path, monkeypatch):
+    # The kernel dies between the folder's mkdtemp and the agent's start: nobody else knows the
+    # folder, so the next launch (or stop_workers) removes it, by the owner its name holds.
+    from labkit.launcher import sweep_run_folders
+
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_start = round(psutil.Process(dead.pid).create_time())
+    dead.wait()
+    me = os.getpid()
+    my_start = round(psutil.Process(me).create_time())
+    orphan = _folder_of(private, dead.pid, dead_start)
+    (orphan / "job.pkl").write_bytes(b"x")
+    reused = _folder_of(private, me, my_start - 3600)  # this pid, but an hour older: reused
+    live = _folder_of(private, me, my_start)
+    kept = _folder_of(private, dead.pid, dead_start)
+    (kept / "kept").touch()
+    other = private / "labkit-run-notmine"
+    other.mkdir()
+    assert sorted(sweep_run_folders()) == sorted([orphan, reused])
+    assert not orphan.exists() and not reused.exists()
+    assert live.exists() and kept.exists() and other.exists()
+    # stop_workers() sweeps too, and a launch's own folder is named for the sweep to read.
+    again = _folder_of(private, dead.pid, dead_start)
+    labkit.stop_workers()
+    assert not again.exists()
+    res = launch(_rank_and_size, nproc=1, warm=False, keep_run_dir=True, show_ranks=[])
+    folders = [f for f in private.iterdir()
+               if f.name.startswith(f"labkit-run-{me}.{my_start}-") and f != live]
+    assert len(folders) == 1 and (folders[0] / "kept").exists(), list(private.iterdir())
+    assert res.values == [(0, 1)]
+    assert sweep_run_folders() == [] and folders[0].exists(), "a kept folder stays kept"
+
+
+def _rank_and_size():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
 
 
 # ---- the pieces, without processes -----------------------------------------------------------
