@@ -75,3 +75,17 @@ def _warm_pool_stopped_at_the_end():
 
     launcher.stop_workers()
     _HOME.cleanup()
+
+
+@pytest.fixture(scope="module")
+def no_warm_pools():
+    """For a test file that counts this process's workers: it starts with no warm pool.
+
+    Warm pools (``check.on_ranks``'s) live for the session, and under pytest-xdist a worker
+    process runs the test files in any order, so another file's pool would be counted as a
+    leftover of this file's launches.
+    """
+    from labkit import launcher
+
+    launcher.stop_workers()
+    yield

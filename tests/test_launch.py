@@ -20,6 +20,8 @@ import pytest
 import labkit
 from labkit import LaunchError, LaunchTimeout, launch
 
+pytestmark = pytest.mark.usefixtures("no_warm_pools")
+
 # Ship this module's functions by value, as a notebook's are.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
