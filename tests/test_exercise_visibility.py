@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TAUGHT = {
     "for epoch in range(epochs):",
     "for x, y in loader:",
+    "model.zero_grad()",
     "with torch.no_grad():",
     "rank = dist.get_rank()",
     "rank, world = dist.get_rank(), dist.get_world_size()",
