@@ -301,8 +301,8 @@ def _un_batches(world: int, rank: int, n: int, dtype: str):
              torch.randn(2, 1, generator=g).to(getattr(torch, dtype))) for _ in range(n)]
 
 
-def _uneven_worker(fn) -> list[dict]:
-    """Each rank, each case: ``fn(model, batches, lr)`` on its own shard; weights, calls."""
+def _uneven_worker(fn, case: int) -> list[dict]:
+    """Each rank, one case: ``fn(model, batches, lr)`` on its own shard; weights, calls."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -311,7 +311,7 @@ def _uneven_worker(fn) -> list[dict]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
-    for dtype, lengths in _UN_CASES:
+    for dtype, lengths in _UN_CASES[case:case + 1]:
         lens = lengths[world]
         shards = [_un_batches(world, r, n, dtype) for r, n in enumerate(lens)]
         ref = _un_model(dtype)  # the run in one process: each step, the ranks that have a batch
@@ -338,8 +338,16 @@ def _uneven_worker(fn) -> list[dict]:
 
 
 def _un_on_ranks(fn, world: int) -> list:
+    """Every rank's results, case by case (``[rank][case]``).
+
+    One run per case: a rank that leaves its loop early must be left waiting for its partner
+    (a hang the timeout names), not go on into the next case, whose all-reduces would pair with
+    the other rank's remaining ones and fail in gloo at a moment that depends on timing.
+    """
     try:
-        return on_ranks(_uneven_worker, fn, nproc=world, timeout=_UN_TIMEOUT)
+        runs = [on_ranks(_uneven_worker, fn, case, nproc=world, timeout=_UN_TIMEOUT)
+                for case in range(len(_UN_CASES))]
+        return [[run[rank][0] for run in runs] for rank in range(world)]
     except NotYet as wrong:
         if not wrong.stuck:
             raise NotYet(f"on {world} ranks: {wrong.detail}", wrong.hint) from None
