@@ -367,7 +367,7 @@ def all_to_all_function(fn, worlds=(2, 4)) -> str:
     ``fn`` is a ``torch.autograd.Function``. Run on real gloo ranks (``worlds``) with tagged
     rows: uneven counts in float32; then float64 with rank 0 holding no rows and the last rank
     receiving none. The rows that arrive, grouped by source rank, and ``x.grad`` after a
-    backward are compared exactly with their tags; the route too: forward at most two
+    backward are compared exactly with their tags; the route too: forward two
     all-to-alls (the counts, then the rows), backward one, each sending only the other ranks'
     rows.
 
