@@ -117,7 +117,7 @@ def test_worker_output_streams_while_the_run_goes_on(tmp_path):
 
 
 def test_show_ranks_filters_and_a_quiet_run_shows_progress(capsys, monkeypatch):
-    monkeypatch.setattr("labkit.launcher._HEARTBEAT", 0.5)
+    monkeypatch.setattr("labkit._engine._HEARTBEAT", 0.5)
     res = launch(print_rank_then_wait, nproc=2, show_ranks=1)
     out = capsys.readouterr().out
     assert "[rank1] I am 1" in out and "[rank0]" not in out
@@ -127,7 +127,7 @@ def test_show_ranks_filters_and_a_quiet_run_shows_progress(capsys, monkeypatch):
 
 
 def test_progress_line_says_when_only_the_shutdown_is_left():
-    from labkit.launcher import _progress_line
+    from labkit._engine import _progress_line
 
     assert _progress_line(31.2, 2, 2) == "[labkit] 31 s elapsed, 2 of 2 rank(s) still running"
     assert _progress_line(60, 0, 2) == ("[labkit] 60 s elapsed: all 2 rank(s) have returned; "
@@ -229,7 +229,7 @@ def die_on_rank_1(signal_name, in_collective):
 
 
 def test_exit_codes_read_from_torchruns_report_leave_out_the_ranks_it_stopped():
-    from labkit.launcher import _exit_codes
+    from labkit._failures import _exit_codes
 
     agent_log = [  # torch 2.14's own lines, for a rank 1 killed by the OOM killer
         "W1201 09:22:19.12 3779 multiprocessing/api.py:1028] Sending process 3785 closing signal "
@@ -269,7 +269,7 @@ def raise_a_huge_message():
 
 
 def test_a_short_error_keeps_its_message_and_a_long_traceback_its_last_lines():
-    from labkit.launcher import _raised
+    from labkit._failures import _raised
 
     tb = 'Traceback (most recent call last):\n  File "<cell>", line 3, in f\nValueError: boom\n'
     short = {"rank": 1, "type": "ValueError", "message": "boom", "traceback": tb,
@@ -521,23 +521,23 @@ def test_timeout_not_positive(timeout):
 
 
 def test_nccl_without_gpus(monkeypatch):
-    monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda: 0)
+    monkeypatch.setattr("labkit._spawn.visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs CUDA GPUs.*backend='gloo'"):
         launch(rank_times, 1, backend="nccl")
 
 
 def test_nccl_with_fewer_gpus_than_ranks(monkeypatch):
-    monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda: 1)
+    monkeypatch.setattr("labkit._spawn.visible_gpu_count", lambda: 1)
     with pytest.raises(ValueError, match="one GPU per local rank: nproc=2 but 1 GPU"):
         launch(rank_times, 1, nproc=2, backend="nccl")
 
 
 def test_auto_backend_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
-    from labkit.launcher import _validate
+    from labkit._spawn import validate
 
     for gpus, nproc, expected in [(0, 2, "gloo"), (1, 2, "gloo"), (2, 2, "nccl"), (8, 4, "nccl")]:
-        monkeypatch.setattr("labkit.launcher.visible_gpu_count", lambda g=gpus: g)
-        job, _ = _validate(rank_times, (), {}, nproc, "auto", None, "torch", 1, 0, None)
+        monkeypatch.setattr("labkit._spawn.visible_gpu_count", lambda g=gpus: g)
+        job, _ = validate(rank_times, (), {}, nproc, "auto", None, "torch", 1, 0, None)
         assert job.backend == expected, (gpus, nproc)
 
 
@@ -566,7 +566,7 @@ def test_a_function_reading_an_attribute_named_classes_is_shipped():
 
     import torch
 
-    from labkit.launcher import _dumps_with_sources
+    from labkit._spawn import _dumps_with_sources
 
     def count(ds):
         return torch.zeros(len(ds.classes)).numel()
@@ -712,13 +712,13 @@ def report_env(*args, **kwargs):
 
 
 def test_worker_env_puts_env_over_the_controllers_but_keeps_labkits_own(monkeypatch):
-    from labkit.launcher import _worker_env
+    from labkit._spawn import worker_env
 
     monkeypatch.setenv("NCCL_DEBUG", "WARN")
-    env = _worker_env(2, 0, {"NCCL_DEBUG": "INFO", "LABKIT_CONTROLLER_PID": "1"})
+    env = worker_env(2, 0, {"NCCL_DEBUG": "INFO", "LABKIT_CONTROLLER_PID": "1"})
     assert env["NCCL_DEBUG"] == "INFO"
     assert env["LABKIT_CONTROLLER_PID"] == str(os.getpid()), "the watchdog must find this process"
-    assert _worker_env(2, 0)["NCCL_DEBUG"] == "WARN"
+    assert worker_env(2, 0)["NCCL_DEBUG"] == "WARN"
 
 
 @pytest.mark.parametrize("env, match", [
@@ -753,9 +753,9 @@ def test_the_timeout_counts_from_the_function_not_from_the_start_up(tmp_path):
 
 
 def test_a_start_up_slower_than_its_limit_is_a_timeout_that_says_so(tmp_path, monkeypatch):
-    from labkit import launcher
+    from labkit import _engine
 
-    monkeypatch.setattr(launcher, "STARTUP_S", 1.0)
+    monkeypatch.setattr(_engine, "STARTUP_S", 1.0)
     with pytest.raises(LaunchTimeout, match="did not start the function within 1 s"):
         launch(time.sleep, 0.1, nproc=1, timeout=0.5, env=_slow_start_env(tmp_path, 5.0),
                warm=False)

@@ -66,9 +66,9 @@ def wait_until(condition, within: float) -> bool:
 
 def no_run_left() -> None:
     """A run leaves no process but those of the warm pools (one of its own, if warm)."""
-    from labkit import launcher
+    from labkit import warm
 
-    owned = set().union(*(p.owned_pids() for p in list(launcher._LIVE)))
+    owned = set().union(*(p.owned_pids() for p in list(warm._LIVE)))
     assert wait_until(lambda: workers_of(os.getpid()) <= owned, 10), "a worker outlived the run"
     assert labkit.stray_workers() == []
 
@@ -437,16 +437,16 @@ def ignore_sigterm():
 
 @pytest.mark.timeout(300)
 def test_stop_workers_ends_every_stray_even_one_that_ignores_sigterm(monkeypatch):
-    from labkit import launcher
+    from labkit import warm
 
     p = labkit.workers(nproc=1)
     rank_pid = p.run(ignore_sigterm).values[0]
     run_dir = p._run_dir
     # Survival made to happen: the pool's own stop neither asks the ranks to quit nor kills them.
-    monkeypatch.setattr(launcher, "_stop", lambda run: 0)
-    monkeypatch.setattr(launcher, "QUIT", b"")
+    monkeypatch.setattr(warm, "stop_run", lambda run: 0)
+    monkeypatch.setattr(warm, "QUIT", b"")
     p._fifos, fifos = [], p._fifos
-    monkeypatch.setattr(launcher.shutil, "rmtree", lambda *a, **k: None)
+    monkeypatch.setattr(warm.shutil, "rmtree", lambda *a, **k: None)
     p.stop()
     monkeypatch.undo()
     try:
@@ -556,8 +556,8 @@ def _rank_and_size():
 def test_a_long_line_travels_in_atomic_pieces_and_is_joined_whole(capsys):
     import select
 
+    from labkit._engine import _Output
     from labkit._worker import _frames
-    from labkit.launcher import _Output
 
     line = ("é" * 3000 + "x" * 5000).encode()
     frames = _frames(b"[rank1] ", line, last=True)
@@ -574,7 +574,7 @@ def test_a_long_line_travels_in_atomic_pieces_and_is_joined_whole(capsys):
 def test_interrupts_during_a_teardown_wait_until_it_is_over():
     import _thread
 
-    from labkit.launcher import _Shield
+    from labkit._engine import Shield
 
     done = []
 
@@ -587,12 +587,12 @@ def test_interrupts_during_a_teardown_wait_until_it_is_over():
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
-            with _Shield(teardown):
+            with Shield(teardown):
                 _thread.interrupt_main()  # the first interrupt stops the block...
                 time.sleep(1)
         assert done == [True], "...and none of the later ones cut the teardown short"
         with pytest.raises(KeyboardInterrupt):  # one during the teardown of a block that ended
-            with _Shield(lambda: _thread.interrupt_main() or time.sleep(0.1)):
+            with Shield(lambda: _thread.interrupt_main() or time.sleep(0.1)):
                 pass
     finally:
         signal.signal(signal.SIGINT, handler)

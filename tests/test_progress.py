@@ -53,7 +53,7 @@ def test_show_ranks_hides_the_bars_of_hidden_ranks_too(capsys):
 
 
 def test_a_progress_line_after_a_partial_line_keeps_the_text_and_updates_the_bar(capsys):
-    from labkit.launcher import _route
+    from labkit._engine import _route
 
     logs, agent_log, bars = {}, [], ProgressBars(widgets=False)
     done = encode_update({"id": 0, "n": 4, "total": 4, "desc": "", "elapsed": 1.0, "done": True})

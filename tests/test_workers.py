@@ -56,9 +56,9 @@ def cold():
 
 def stop_kernel_pools():
     """Stop launch(warm=True)'s pools only: labkit.stop_workers() would stop the module's too."""
-    from labkit import launcher
+    from labkit import warm
 
-    for p in list(launcher._KERNEL_POOLS.values()):
+    for p in list(warm._KERNEL_POOLS.values()):
         p.stop()
 
 
@@ -470,10 +470,10 @@ def test_a_rank_that_cannot_restore_its_state_stops_the_pool(tmp_path, monkeypat
 
 
 def test_end_of_task_marks_are_read_and_other_lines_left_alone():
+    from labkit._engine import WarmTask
     from labkit._protocol import END_OF_TASK
-    from labkit.launcher import _Task
 
-    task = _Task(3)
+    task = WarmTask(3)
     assert task.take(f"[rank1] {END_OF_TASK}3") == "" and task.ended == {1}
     assert task.take(f"[rank0] half a line{END_OF_TASK}3") == "[rank0] half a line"
     assert task.ended_by_all(2)
@@ -481,7 +481,7 @@ def test_end_of_task_marks_are_read_and_other_lines_left_alone():
                   f"[rank2] {END_OF_TASK}three", "[rank2] just output", f"agent {END_OF_TASK}3"):
         task.take(other)
     assert task.ended == {0, 1}, "a mark of another task, or a malformed one, ends nothing"
-    assert _Task(1).take("[rank0] hello") == "[rank0] hello"
+    assert WarmTask(1).take("[rank0] hello") == "[rank0] hello"
 
 
 def test_workers_whose_torchrun_died_while_idle_are_replaced(pool, capsys):
@@ -501,22 +501,22 @@ def test_workers_whose_torchrun_died_while_idle_are_replaced(pool, capsys):
 
 
 def test_workers_that_cannot_form_their_group_raise_and_leave_nothing(monkeypatch, tmp_path):
-    from labkit import launcher
+    from labkit import warm
 
     private = tmp_path / "tmp"
     private.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private))
-    validate = launcher._validate
+    validate = warm.validate
 
     def with_a_bogus_backend(*args):
         job, gpus = validate(*args)
         return dataclasses.replace(job, backend="bogus"), gpus
 
-    monkeypatch.setattr(launcher, "_validate", with_a_bogus_backend)
-    before, live = workers_of(os.getpid()), list(launcher._LIVE)
+    monkeypatch.setattr(warm, "validate", with_a_bogus_backend)
+    before, live = workers_of(os.getpid()), list(warm._LIVE)
     with pytest.raises(LaunchError, match="rank 0 failed with .*bogus"):
         labkit.workers(nproc=1)
-    assert launcher._LIVE == live, "the pool that never started is not kept"
+    assert warm._LIVE == live, "the pool that never started is not kept"
     assert not list(private.iterdir()), "its run folder is removed"
     deadline = time.monotonic() + 5
     while not workers_of(os.getpid()) <= before and time.monotonic() < deadline:
@@ -525,9 +525,9 @@ def test_workers_that_cannot_form_their_group_raise_and_leave_nothing(monkeypatc
 
 
 def test_stop_during_a_run_of_another_thread_stops_under_it(monkeypatch):
-    from labkit import launcher
+    from labkit import warm
 
-    monkeypatch.setattr(launcher, "_STOP_WAIT", 0.5)
+    monkeypatch.setattr(warm, "_STOP_WAIT", 0.5)
     p = labkit.workers(nproc=1)
     failed = []
 
@@ -558,7 +558,7 @@ def test_the_ranks_die_with_a_sigkilled_kernel_and_the_run_folder_goes(tmp_path)
             return dist.get_world_size()
 
         assert labkit.launch(world, nproc=2, warm=True).values == [2, 2]
-        (pool,) = labkit.launcher._KERNEL_POOLS.values()
+        (pool,) = labkit.warm._KERNEL_POOLS.values()
         print("PIDS", *pool.pids(), flush=True)
         time.sleep(120)
     """)
@@ -626,11 +626,11 @@ def test_stray_workers_leaves_out_a_live_pools_processes_only(pool):
 
 
 def test_a_stopped_pools_survivors_are_strays(monkeypatch):
-    from labkit import launcher
+    from labkit import warm
 
     # Survival made to happen: the stop neither asks the ranks to quit nor kills them.
-    monkeypatch.setattr(launcher, "_stop", lambda run: 0)
-    monkeypatch.setattr(launcher, "QUIT", b"")
+    monkeypatch.setattr(warm, "stop_run", lambda run: 0)
+    monkeypatch.setattr(warm, "QUIT", b"")
     p = labkit.workers(nproc=1)
     pids = p.pids()
     p._fifos, fifos = [], p._fifos  # nor sees its FIFO close
@@ -673,9 +673,9 @@ def test_bad_warm_settings_are_refused(monkeypatch, pool):
 
 
 def test_launch_warm_reuses_the_kernels_pool_and_cold_does_not():
-    from labkit import launcher
+    from labkit import warm
 
-    assert launcher._warm_default() is False, "without use_warm or LABKIT_WARM: cold"
+    assert warm._warm_default() is False, "without use_warm or LABKIT_WARM: cold"
     try:
         first = launch(rank_pid, nproc=2, warm=True).values
         assert launch(rank_pid, nproc=2, warm=True).values == first
@@ -711,9 +711,9 @@ def test_labkit_warm_never_runs_everything_cold_even_warm_true(monkeypatch):
 
 def test_the_kernel_keeps_at_most_max_idle_pools_least_recently_used_stopped(monkeypatch,
                                                                             capsys):
-    from labkit import launcher
+    from labkit import warm
 
-    monkeypatch.setattr(launcher, "MAX_IDLE_POOLS", 1)
+    monkeypatch.setattr(warm, "MAX_IDLE_POOLS", 1)
     try:
         a = launch(rank_pid, nproc=1, warm=True, env={"LABKIT_TEST_SHAPE": "a"}).values
         b = launch(rank_pid, nproc=1, warm=True, env={"LABKIT_TEST_SHAPE": "b"}).values
@@ -757,17 +757,17 @@ def test_warm_true_refuses_a_script_and_the_default_runs_it_cold(tmp_path):
     with pytest.raises(ValueError, match="a script calls init_process_group itself.*warm=False"):
         launch(str(script), warm=True)
     labkit.use_warm(True)
-    pools = list(labkit.launcher._LIVE)
+    pools = list(labkit.warm._LIVE)
     result = launch(str(script), nproc=2)
     assert result.values == [None, None] and result.logs[0] == ["world 2"]
-    assert labkit.launcher._LIVE == pools, "no pool was started for it"
+    assert labkit.warm._LIVE == pools, "no pool was started for it"
 
 
 def test_the_default_runs_max_restarts_cold():
     labkit.use_warm(True)
-    pools = list(labkit.launcher._LIVE)
+    pools = list(labkit.warm._LIVE)
     assert launch(noop, nproc=1, max_restarts=1).values == [1]
-    assert labkit.launcher._LIVE == pools
+    assert labkit.warm._LIVE == pools
 
 
 # ---- %%distributed --warm and the benchmark's printer ----------------------------------------
