@@ -4,9 +4,10 @@
 (TensorFlow notebooks import labkit too, and torchvision imported after TensorFlow in one
 process crashes). Everything that needs a framework is loaded on first use.
 
-Every notebook starts workers with :func:`labkit.launch` (``launcher``, the worker shim
-``_worker``) and sizes itself with :func:`labkit.knob` (``profile``); beyond those, each
-notebook's code lives in the rooms named for its topic:
+Every notebook starts workers with :func:`labkit.launch` (``launcher``: the public API and
+the cold path; ``warm``: the warm workers that run function after function; ``_worker``: the
+shim every rank runs) and sizes itself with :func:`labkit.knob` (``profile``); beyond those,
+each notebook's code lives in the rooms named for its topic:
 
 - 00 environment check: ``doctor`` (facts and checks), ``bench`` (the first all-reduce, its
   sweep and the alpha-beta fit), ``plots``.
@@ -45,8 +46,12 @@ other back).
 Private modules with public names hold what several rooms share: ``_dist`` (the device a
 collective needs, barriers, the slowest rank's time, timed training steps), ``_sizes`` (the
 one whole-number check, divisor suggestions), ``_protocol`` (the launcher's contract with its
-workers: the ``Job``, the run folder's file names, the controller's variables) and
-``_progress`` (``labkit.progress``, per-rank bars fed through the workers' output).
+workers: the ``Job``, the run folder's file names, the controller's variables), the engine
+that cold runs and warm workers share (``_spawn`` starts a run: the job pickled into its run
+folder, torchrun and its boot script, the sweep of orphaned folders; ``_engine`` supervises it:
+output, failures, the clock, the stop; ``_failures`` reads how its ranks ended:
+``LaunchError``, ``LaunchTimeout``) and ``_progress`` (``labkit.progress``, per-rank bars fed
+through the workers' output).
 ``docs/ARCHITECTURE.md`` describes the rooms, the data flow and the launcher's protocol.
 """
 
