@@ -1,8 +1,8 @@
 """Notebook 05's graders: the reference solutions pass, known wrong answers get their hints.
 
-Every grader runs on two warm gloo ranks, so a check costs milliseconds once the pool is up;
-the answers that hang (a collective on one rank only) cost their timeout and a fresh pool,
-so they come last and use a short timeout.
+Every grader runs on warm gloo ranks (2, then 4), so a check costs milliseconds once the pools
+are up; the answers that hang (a collective on one rank only) cost their timeout and a fresh
+pool, so they come last and use a short timeout.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def two_ranks_assumed(value):
 def test_nonfinite_ranks_wrong_two_ranks_assumed_shows_on_4():
     verdict = diagnosis.nonfinite_ranks(two_ranks_assumed, timeout=5.0)  # passes on 2 ranks
     assert not verdict and "still running after 5 s (rank 2: waits in isend" in verdict.detail
-    assert verdict.hint.startswith("rank 2, 3 waited in a collective")
+    assert verdict.hint.startswith("ranks 2, 3 waited in a collective")
 
 
 def isnan_or_isinf_per_dtype(value):
@@ -178,10 +178,10 @@ def test_the_placeholder_is_not_run():
 # ------------------------------------------------------------------------------ seed_everything
 
 
-def test_seed_everything_solution_passes():
+def test_seed_everything_solution_passes_on_2_and_4_ranks():
     verdict = diagnosis.seed_everything(solved("seed_everything")["my_seed_everything"])
     assert verdict, verdict
-    assert "two runs, bit-identical weights on both ranks" in verdict.detail
+    assert "on 2 and 4 ranks, two runs gave bit-identical weights on every rank" in verdict.detail
 
 
 def test_labkits_make_deterministic_passes_with_seed_plus_rank():
@@ -209,8 +209,61 @@ def same_seed_everywhere(seed, rank):
 
 def test_seed_everything_wrong_the_same_seed_on_every_rank():
     verdict = diagnosis.seed_everything(same_seed_everywhere)
-    assert not verdict and "rank 0 and rank 1 drew the same numbers" in verdict.detail
+    assert not verdict and "on 2 ranks, every rank drew the same numbers from random" \
+        in verdict.detail
     assert "seed + rank" in verdict.hint
+
+
+def test_seed_everything_wrong_the_same_seed_on_all_4_ranks():
+    verdict = diagnosis.seed_everything(same_seed_everywhere, worlds=(4,))
+    assert not verdict and "on 4 ranks, every rank drew the same numbers from random: every " \
+        "rank got the same seed" in verdict.detail
+    assert "seed + rank" in verdict.hint
+
+
+def seed_plus_rank_mod_2(seed, rank):
+    """Right on 2 ranks; on 4, ranks 0 and 2 (and 1 and 3) share a seed, as local ranks do."""
+    random.seed(seed + rank % 2)
+    np.random.seed(seed + rank % 2)
+    torch.manual_seed(seed + rank % 2)
+    torch.use_deterministic_algorithms(True)
+
+
+def test_seed_everything_wrong_a_seed_that_repeats_across_4_ranks():
+    verdict = diagnosis.seed_everything(seed_plus_rank_mod_2)  # passes on 2 ranks
+    assert not verdict and ("on 4 ranks, ranks 0 and 2 drew the same numbers from random (and "
+                            "1 and 3 too): they got the same seed") in verdict.detail
+    assert "from its global rank, 0 to 3" in verdict.hint and "rank % 2" in verdict.hint
+
+
+def seed_times_rank(seed, rank):
+    """Each rank its own stream, but rank 0's is seed * 0 = 0 whatever the seed."""
+    random.seed(seed * rank)
+    np.random.seed(seed * rank)
+    torch.manual_seed(seed * rank)
+    torch.use_deterministic_algorithms(True)
+
+
+def test_seed_everything_wrong_rank_0_ignores_the_seed():
+    verdict = diagnosis.seed_everything(seed_times_rank, worlds=(4,))
+    assert not verdict and ("on 4 ranks, seed 1234 and seed 1235 gave rank 0 the same weights"
+                            in verdict.detail)
+    assert "rank 0's seed does not depend on the seed argument" in verdict.hint
+
+
+def seeded_by_seed_sequence(seed, rank):
+    """Valid, written another way: one SeedSequence per (seed, rank), not seed + rank."""
+    state = np.random.SeedSequence([seed, rank]).generate_state(3)
+    random.seed(int(state[0]))
+    np.random.seed(int(state[1]))
+    torch.manual_seed(int(state[2]))
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+def test_seed_everything_written_another_way_passes_on_2_and_4_ranks():
+    verdict = diagnosis.seed_everything(seeded_by_seed_sequence)
+    assert verdict and "on 2 and 4 ranks" in verdict.detail
 
 
 def seeds_only(seed, rank):
@@ -241,10 +294,11 @@ def test_seed_everything_wrong_the_seed_argument_ignored():
 # -------------------------------------------------------------------------- early_stop_together
 
 
-def test_early_stop_together_solution_passes():
+def test_early_stop_together_solution_passes_on_2_and_4_ranks():
     verdict = diagnosis.early_stop_together(solved("early_stop_together")["my_early_stopping"])
     assert verdict, verdict
-    assert "both ranks stopped after 9 epochs" in verdict.detail
+    assert "on 2 ranks every rank stopped after 9 epochs" in verdict.detail
+    assert "on 4 ranks every rank stopped after 4 epochs" in verdict.detail
 
 
 def test_labkits_fixed_job_passes():
@@ -284,20 +338,34 @@ def stop_when_any_rank_wants(epochs=10, patience=1):
 
 def test_early_stop_together_wrong_any_rank_stops_every_rank():
     verdict = diagnosis.early_stop_together(stop_when_any_rank_wants)
-    assert not verdict and "every rank stopped after 5 epochs" in verdict.detail
-    assert "improved until epoch 7" in verdict.detail
+    assert not verdict and "on 2 ranks: every rank stopped after 5 epochs" in verdict.detail
+    assert "best at epoch 7, so with patience=1 the job stops after 9" in verdict.detail
+    assert "a stop flag all-reduced with MAX" in verdict.hint
+
+
+def test_early_stop_together_wrong_any_rank_stops_every_rank_on_4_ranks():
+    verdict = diagnosis.early_stop_together(stop_when_any_rank_wants, worlds=(4,))
+    assert not verdict and "on 4 ranks: every rank stopped after 3 epochs" in verdict.detail
+    assert "best at epoch 2, so with patience=1 the job stops after 4" in verdict.detail
     assert "a stop flag all-reduced with MAX" in verdict.hint
 
 
 def summed_not_averaged(epochs=10, patience=1):
-    """The fixed job, but the per-rank mean losses summed over the ranks: twice the loss."""
+    """The fixed job, but the per-rank mean losses summed over the ranks: world times the loss."""
     out = diagnose.early_stopping(epochs, patience=patience, fixed=True)
-    return {"epochs": out["epochs"], "val": [2 * v for v in out["val"]]}
+    return {"epochs": out["epochs"], "val": [dist.get_world_size() * v for v in out["val"]]}
 
 
 def test_early_stop_together_wrong_summed_not_averaged():
     verdict = diagnosis.early_stop_together(summed_not_averaged)
-    assert not verdict and "validation losses are 2x labkit's" in verdict.detail
+    assert not verdict and "on 2 ranks: right epoch, but the validation losses are 2x labkit's" \
+        in verdict.detail
+    assert "all_reduce sums" in verdict.hint
+
+
+def test_early_stop_together_wrong_summed_not_averaged_on_4_ranks():
+    verdict = diagnosis.early_stop_together(summed_not_averaged, worlds=(4,))
+    assert not verdict and "validation losses are 4x labkit's" in verdict.detail
     assert "all_reduce sums" in verdict.hint
 
 
@@ -309,7 +377,136 @@ def stops_too_early(epochs=10, patience=1):
 def test_early_stop_together_wrong_stops_before_the_loss_over_all_ranks_does():
     verdict = diagnosis.early_stop_together(stops_too_early)
     assert not verdict and "every rank stopped after 8 epochs" in verdict.detail
-    assert "improved until epoch 7" in verdict.detail and "is patience still used" in verdict.hint
+    assert "best at epoch 7" in verdict.detail and "is patience still used" in verdict.hint
+
+
+def job(epochs=10, patience=1, *, loss=None, stop=None, join=False):
+    """The job, its validation loss shared by ``loss(val, n)`` (None: this shard's own), the stop
+    flag all-reduced with ``stop`` (a ReduceOp), or, ``join``, ranks that have stopped answering
+    the others' gradient all-reduces with zeros until every rank has (each its own epochs)."""
+    import torch.nn.functional as F
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 4, generator=gen)
+    y = x.sum(1, keepdim=True)
+    val_x = torch.randn(32, 4, generator=gen)
+    val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    best, worse, history, done = float("inf"), 0, [], False
+    for _ in range(epochs):
+        if join:
+            training = torch.tensor([float(not done)])
+            dist.all_reduce(training)
+            if not training.item():
+                break
+        model.zero_grad()
+        if not done:
+            F.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(grad)
+                p -= 0.1 * grad / dist.get_world_size()
+            val = F.mse_loss(model(val_x), val_y)
+        if done:
+            continue
+        if loss is not None:
+            val = loss(val, len(val_x))
+        history.append(round(float(val), 5))
+        worse = 0 if float(val) < best else worse + 1
+        best = min(best, float(val))
+        want = worse > patience
+        if stop is not None:
+            flag = torch.tensor([float(want)])
+            dist.all_reduce(flag, op=stop)
+            want = bool(flag.item())
+        if want and join:
+            done = True
+        elif want:
+            break
+    return {"epochs": len(history), "val": history}
+
+
+def sum_and_count(val, n):
+    """The reference's route: one all-reduce of a 2-element tensor."""
+    total = torch.stack([val * n, torch.tensor(float(n))])
+    dist.all_reduce(total)
+    return total[0] / total[1]
+
+
+def two_scalars(val, n):
+    """Valid, written another way: the sum and the count in two scalar all-reduces."""
+    total, count = val * n, torch.tensor(float(n))
+    dist.all_reduce(total)
+    dist.all_reduce(count)
+    return total / count
+
+
+def gathers_every_loss(val, n):
+    """Right values (the shards are the same size), but every rank's loss on every rank."""
+    losses = [torch.empty(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(losses, val)
+    return torch.stack(losses).mean()
+
+
+def twice(val, n):
+    """The right all-reduce, made twice: once for the history, once more for the decision."""
+    sum_and_count(val, n)
+    return sum_and_count(val, n)
+
+
+def test_early_stop_together_written_with_two_scalar_all_reduces_passes():
+    verdict = diagnosis.early_stop_together(functools.partial(job, loss=two_scalars))
+    assert verdict and "on 4 ranks every rank stopped after 4 epochs" in verdict.detail
+
+
+def _calls_of_both(fn):
+    from labkit.parallel import traffic
+
+    with traffic.count_traffic() as ours:
+        diagnose.early_stopping(epochs=10, patience=1, fixed=True)
+    with traffic.count_traffic() as theirs:
+        fn(epochs=10, patience=1)
+    return [[(c.op, c.payload_bytes) for c in t.calls] for t in (ours, theirs)]
+
+
+def test_early_stop_together_the_bound_rests_on_labkits_route():
+    """Per epoch, labkit's job all-reduces the gradients (16 + 4 bytes) and 8 for the validation,
+    as the solution's job does: the grader's bound is measured against that."""
+    ours, theirs = check.on_ranks(_calls_of_both, solved("early_stop_together")
+                                  ["my_early_stopping"], nproc=4)[0]
+    assert ours == theirs == [("all_reduce", 16), ("all_reduce", 4), ("all_reduce", 8)] * 4
+
+
+def test_early_stop_together_wrong_per_shard_decisions_on_4_ranks():
+    verdict = diagnosis.early_stop_together(functools.partial(job, join=True), worlds=(4,))
+    assert not verdict and ("on 4 ranks: rank 0 trained 10 epochs, rank 1 trained 6, rank 2 "
+                            "trained 3, rank 3 trained 3") in verdict.detail
+    assert "the stop decision must come out the same on every rank" in verdict.hint
+
+
+def test_early_stop_together_wrong_route_all_gather_of_every_loss():
+    verdict = diagnosis.early_stop_together(functools.partial(job, loss=gathers_every_loss),
+                                            worlds=(4,))
+    assert not verdict and ("on 4 ranks: right epochs and losses, but rank 0 gathered every "
+                            "rank's values (4 gathers, 64 bytes)") in verdict.detail
+    assert "a gather of every rank's losses" in verdict.hint and "one all_reduce" in verdict.hint
+
+
+def test_early_stop_together_wrong_route_the_all_reduce_made_twice():
+    verdict = diagnosis.early_stop_together(functools.partial(job, loss=twice), worlds=(4,))
+    assert not verdict and ("on 4 ranks: right epochs and losses, but rank 0 all-reduced 16 "
+                            "bytes per epoch for the validation, beyond the gradients' 20, where "
+                            "8 carry") in verdict.detail
+    assert "is the same all-reduce made twice" in verdict.hint
+
+
+def test_early_stop_together_wrong_stop_only_when_every_rank_wants():
+    verdict = diagnosis.early_stop_together(functools.partial(job, stop=dist.ReduceOp.MIN))
+    assert not verdict and "on 2 ranks: every rank stopped after 10 epochs" in verdict.detail
+    assert "a stop flag all-reduced with MIN" in verdict.hint
 
 
 def test_early_stop_together_wrong_answer_shape():
@@ -322,9 +519,15 @@ def test_early_stop_together_wrong_answer_shape():
 
 def test_early_stop_together_wrong_the_job_as_it_was_hangs():
     verdict = diagnosis.early_stop_together(diagnose.early_stopping, timeout=HANG_S)
-    assert not verdict and "still running after 3 s" in verdict.detail
-    assert "rank 0 still waits in a collective, and the other rank had left" in verdict.hint
+    assert not verdict and "on 2 ranks: the ranks were still running after 3 s" in verdict.detail
+    assert "rank 0 still waits in a collective, and rank 1 had left" in verdict.hint
     assert "the stop decision must come out the same on every rank" in verdict.hint.lower()
+
+
+def test_early_stop_together_wrong_the_job_as_it_was_hangs_on_4_ranks():
+    verdict = diagnosis.early_stop_together(diagnose.early_stopping, timeout=HANG_S, worlds=(4,))
+    assert not verdict and "on 4 ranks: the ranks were still running after 3 s" in verdict.detail
+    assert "ranks 0, 1 still wait in a collective, and ranks 2, 3 had left" in verdict.hint
 
 
 def reduce_only_when_bad(value):

@@ -1,7 +1,8 @@
 """Notebook 05's exercises: a NaN detector that names the rank, runs that repeat, a hang fixed.
 
-Each grader runs the learner's function on two real gloo ranks (:func:`labkit.check.on_ranks`,
-warm workers) beside labkit's reference, and returns what it verified, or raises
+Each grader runs the learner's function on real gloo ranks, two and then four
+(:func:`labkit.check.on_ranks`, warm workers), beside labkit's reference, and returns what it
+verified (values, and where the concept is communication, the calls each rank made), or raises
 :class:`labkit.check.NotYet` naming what is still wrong. The workers below are what every rank
 runs: they call the learner's function and return plain data, compared in the grader.
 """
@@ -14,6 +15,14 @@ from ..check import NotYet, exercise, on_ranks
 
 NOTEBOOK = "05"
 EARLY_STOP = {"epochs": 10, "patience": 1}  # the job's arguments, the learner's and labkit's
+WORLDS = (2, 4)  # the rank counts the checks of this notebook run on
+
+
+def _ranks(ranks) -> str:
+    """``[2]`` -> "rank 2", ``[2, 3]`` -> "ranks 2, 3": ranks named as a sentence names them."""
+    ranks = list(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
 
 # world -> (what the case is, each rank's value, its dtype); the ranks to be named are worked
 # out from the values (torch.isfinite), not written down
@@ -81,8 +90,8 @@ def _nonfinite_on_ranks(fn, cases, world: int, timeout: float) -> list:
     except NotYet as wrong:
         if not wrong.stuck:  # not a hang: the learner's exception, as on_ranks put it
             raise
-        stuck = ", ".join(map(str, wrong.stuck)) or "a rank"
-        raise NotYet(wrong.detail, f"rank {stuck} waited in a collective that another rank "
+        stuck = _ranks(wrong.stuck) if wrong.stuck else "a rank"
+        raise NotYet(wrong.detail, f"{stuck} waited in a collective that another rank "
                      "never called: call it on every rank, every time, finite or not; that "
                      "call is how the finite ranks learn of the bad one") from None
 
@@ -150,31 +159,60 @@ _SEEDERS = {"random": "random.seed(...)", "numpy": "np.random.seed(...)",
             "torch": "torch.manual_seed(...)"}
 
 
+def _same_streams(draws: list[float]) -> list[list[int]]:
+    """The groups of ranks (two or more) that drew the same number, lowest rank first."""
+    groups: dict[float, list[int]] = {}
+    for rank, x in enumerate(draws):
+        groups.setdefault(x, []).append(rank)
+    return [g for g in groups.values() if len(g) > 1]
+
+
 @exercise("seed_everything", notebook=NOTEBOOK, title="runs that repeat bit for bit")
-def seed_everything(setup, *, seed: int = 1234) -> str:
+def seed_everything(setup, *, seed: int = 1234, worlds=WORLDS) -> str:
     """Exercise: ``setup(seed, rank)`` makes two runs give bit-identical weights, rank by rank.
 
-    Runs a small training twice with the same seed and once with another, on 2 ranks.
+    On 2 and on 4 ranks (``worlds``), runs a small training twice with the same seed and once
+    with another: each rank's weights repeat, every rank draws its own stream, and the seed
+    argument decides every rank's weights.
 
     Example::
 
         >>> exercise.seed_everything(my_seed_everything)
-        [pass] runs that repeat bit for bit: two runs, the same weights (...) ...
+        [pass] runs that repeat bit for bit: on 2 and 4 ranks, two runs, the same weights ...
     """
+    for world in worlds:
+        _judge_seeding(setup, seed, world)
+    return (f"on {' and '.join(map(str, worlds))} ranks, two runs gave bit-identical weights on "
+            f"every rank; random, NumPy and torch repeat, every rank its own stream; "
+            f"deterministic algorithms on; another seed, other weights on every rank")
+
+
+def _judge_seeding(setup, seed: int, world: int) -> None:
+    """Raise NotYet unless ``setup`` makes runs on ``world`` ranks repeat, each rank apart."""
     # Warm ranks reseed every generator from fresh entropy before each run, as a new process.
-    first, again = (on_ranks(_determinism_worker, setup, seed) for _ in range(2))
+    first, again = (on_ranks(_determinism_worker, setup, seed, nproc=world) for _ in range(2))
+    where = f"on {world} ranks"
     for name, seeder in _SEEDERS.items():
         for rank, (a, b) in enumerate(zip(first, again, strict=True)):
             if a["drawn"][name] != b["drawn"][name]:
-                raise NotYet(f"{name}'s generator gave other numbers in the second run (rank "
-                             f"{rank}: {a['drawn'][name]:.6f}, then {b['drawn'][name]:.6f})",
-                             f"it seeds itself from the operating system at start-up: seed it "
-                             f"with {seeder}")
-        if first[0]["drawn"][name] == first[1]["drawn"][name]:
-            raise NotYet(f"rank 0 and rank 1 drew the same numbers from {name}: every rank got "
-                         f"the same seed",
+                raise NotYet(f"{where}, {name}'s generator gave other numbers in the second run "
+                             f"(rank {rank}: {a['drawn'][name]:.6f}, then "
+                             f"{b['drawn'][name]:.6f})", f"it seeds itself from the operating "
+                             f"system at start-up: seed it with {seeder}")
+        same = _same_streams([r["drawn"][name] for r in first])
+        if same == [list(range(world))]:
+            raise NotYet(f"{where}, every rank drew the same numbers from {name}: every rank "
+                         f"got the same seed",
                          "seed with seed + rank, so that each rank's augmentation and dropout "
                          "differ (DDP copies rank 0's weights to every rank anyway)")
+        if same:
+            more = "".join(f" (and {' and '.join(map(str, g))} too)" for g in same[1:])
+            raise NotYet(f"{where}, ranks {' and '.join(map(str, same[0]))} drew the same "
+                         f"numbers from {name}{more}: they got the same seed",
+                         f"derive each rank's seed from its global rank, 0 to {world - 1} "
+                         f"(seed + rank), not from a number that repeats across ranks (the "
+                         f"local rank on a node, rank % 2): ranks with one seed augment and "
+                         f"drop out alike")
     if not all(r["settings"]["deterministic"] for r in first):
         raise NotYet("the generators repeat, but torch.are_deterministic_algorithms_enabled() "
                      "is False", "torch.use_deterministic_algorithms(True): on GPUs, scatter, "
@@ -184,90 +222,165 @@ def seed_everything(setup, *, seed: int = 1234) -> str:
                      "set it to False: the autotuner may pick another kernel in each run")
     weights = [r["weights"] for r in first]
     if weights != [r["weights"] for r in again]:
-        raise NotYet(f"the weights differ between the two runs ({weights} then "
+        raise NotYet(f"{where}, the weights differ between the two runs ({weights} then "
                      f"{[r['weights'] for r in again]}) though every generator repeats",
                      "is anything else random in your setup (the time, os.urandom)?")
-    other = on_ranks(_determinism_worker, setup, seed + 1)
-    if [r["weights"] for r in other] == weights:
+    other = [r["weights"] for r in on_ranks(_determinism_worker, setup, seed + 1, nproc=world)]
+    kept = [r for r in range(world) if other[r] == weights[r]]
+    if kept == list(range(world)):
         raise NotYet(f"seed {seed} and seed {seed + 1} gave the same weights",
                      "use the seed argument, not a number of your own: another seed is how you "
                      "check that a result does not rest on one lucky draw")
-    return (f"two runs, bit-identical weights on both ranks ({', '.join(weights)}); random, "
-            f"NumPy and torch repeat, each rank its own stream; deterministic algorithms on; "
-            f"another seed, other weights")
+    if kept:
+        raise NotYet(f"{where}, seed {seed} and seed {seed + 1} gave {_ranks(kept)} the same "
+                     f"weights (the other ranks changed)",
+                     f"{_ranks(kept)}'s seed does not depend on the seed argument (seed * rank "
+                     f"is 0 on rank 0 whatever the seed): add the rank to the seed")
 
 
 def _early_stop_worker(fn) -> dict:
-    """labkit's fixed job, then the learner's, on this rank."""
-    from ..diagnose import early_stopping
+    """labkit's fixed job, then the learner's, on this rank, each with the calls it made."""
+    import torch
 
-    return {"labkit": early_stopping(**EARLY_STOP, fixed=True), "yours": fn(**EARLY_STOP)}
+    from ..diagnose import early_stopping
+    from ..parallel import traffic
+
+    with traffic.count_traffic() as ours:
+        labkit = early_stopping(**EARLY_STOP, fixed=True)
+    with traffic.count_traffic() as theirs:
+        yours = fn(**EARLY_STOP)
+    grad = sum(p.numel() * p.element_size() for p in torch.nn.Linear(4, 1).parameters())
+    return {"labkit": labkit, "yours": yours, "grad_bytes": grad,
+            "labkit_calls": [(c.op, c.payload_bytes) for c in ours.calls],
+            "calls": [(c.op, c.payload_bytes) for c in theirs.calls]}
 
 
 @exercise("early_stop_together", notebook=NOTEBOOK, title="early stopping on every rank")
-def early_stop_together(fn, *, timeout: float = 20.0) -> str:
+def early_stop_together(fn, *, timeout: float = 20.0, worlds=WORLDS) -> str:
     """Exercise: the early-stopping job fixed, so that every rank stops at the same, right epoch.
 
-    ``fn(epochs=10, patience=1)`` runs on 2 ranks beside ``diagnose.early_stopping(fixed=True)``.
+    ``fn(epochs=10, patience=1)`` runs on 2 and on 4 ranks (``worlds``) beside
+    ``diagnose.early_stopping(fixed=True)``: every rank must stop at its epoch, report its
+    validation losses (the loss over all ranks), and send for the validation no more than a
+    few numbers per epoch beyond the gradients' all-reduces.
 
     Example::
 
         >>> exercise.early_stop_together(my_early_stopping)
-        [pass] early stopping on every rank: both ranks stopped after 9 epochs, ...
+        [pass] early stopping on every rank: on 2 ranks every rank stopped after 9 epochs, ...
     """
+    said = [_judge_early_stop(_early_stop_on_ranks(fn, world, timeout), world)
+            for world in worlds]
+    return ("; ".join(said) + ", with labkit's validation losses; for the validation, a few "
+            "numbers all-reduced per epoch; no rank left waiting")
+
+
+def _early_stop_on_ranks(fn, world: int, timeout: float) -> list:
+    """The learner's job and labkit's on ``world`` ranks; a hang named for who left, who waits."""
     try:
-        ranks = on_ranks(_early_stop_worker, fn, timeout=timeout)
+        return on_ranks(_early_stop_worker, fn, nproc=world, timeout=timeout)
     except NotYet as wrong:
         if not wrong.stuck:  # not a hang: the learner's exception, as on_ranks put it
-            raise
+            raise NotYet(f"on {world} ranks: {wrong.detail}", wrong.hint,
+                         traceback=wrong.traceback) from None
         stuck = wrong.stuck
-        who = (f"rank {stuck[0]} still waits in a collective, and the other rank had left: "
-               if len(stuck) == 1 else "a rank waits in a collective: ")
-        raise NotYet(wrong.detail, who + "one rank left the epoch loop (its own shard's loss "
-                     "rose) while the other went on into the next epoch's gradient all-reduce. "
-                     "The stop decision must come out the same on every rank: base it on the "
-                     "validation loss over all ranks (all_reduce its sum and the sample count), "
-                     "not on one shard's") from None
+        left = [r for r in range(world) if r not in stuck]
+        who = (f"{_ranks(stuck)} still wait{'s' if len(stuck) == 1 else ''} in a collective, "
+               f"and {_ranks(left)} had left: " if left else "the ranks wait in a collective: ")
+        raise NotYet(f"on {world} ranks: {wrong.detail}", who + "a rank left the epoch loop "
+                     "(its own shard's loss rose) while another went on into the next epoch's "
+                     "gradient all-reduce. The stop decision must come out the same on every "
+                     "rank: base it on the validation loss over all ranks' shards, not on "
+                     "one shard's", stuck=stuck) from None
+
+
+def _judge_early_stop(ranks: list, world: int) -> str:
+    """Raise NotYet unless every rank stopped at labkit's epoch, with its losses, by its route."""
+    where = f"on {world} ranks"
     ref, yours = ranks[0]["labkit"], [r["yours"] for r in ranks]
     if not all(isinstance(y, dict) and {"epochs", "val"} <= set(y) for y in yours):
-        raise NotYet(f"it returned {yours[0]!r:.80} on rank 0",
+        raise NotYet(f"{where}: it returned {yours[0]!r:.80} on rank 0",
                      "return the dict the job returns: {'epochs': ..., 'val': [...]}")
     epochs, best = yours[0]["epochs"], ref["val"].index(min(ref["val"])) + 1
-    own_shards = yours[0]["val"] != yours[1]["val"]
+    own_shards = any(y["val"] != yours[0]["val"] for y in yours)
     if len({y["epochs"] for y in yours}) > 1:
-        raise NotYet(f"rank 0 trained {yours[0]['epochs']} epochs, rank 1 {yours[1]['epochs']}",
-                     "the stop decision must come out the same on every rank")
-    if epochs < ref["epochs"]:
-        raise NotYet(f"every rank stopped after {epochs} epochs, but the validation loss over "
-                     f"all ranks improved until epoch {best}",
-                     "stopping when any one rank's loss rises (a stop flag all-reduced with MAX) "
-                     "ends too early: decide on the loss over all ranks' shards" if own_shards
-                     else f"with patience={EARLY_STOP['patience']} the job stops once the loss "
-                     f"has not improved for {EARLY_STOP['patience'] + 1} epochs: is patience "
-                     f"still used?")
-    if epochs > ref["epochs"]:
-        raise NotYet(f"the ranks trained {epochs} epochs; the loss over all ranks stopped "
-                     f"improving at epoch {best}, so early stopping should end at "
-                     f"{ref['epochs']}", "is the stop test still run, with patience?")
+        raise NotYet(f"{where}: " + ", ".join(
+            f"rank {r} trained {y['epochs']}" + (" epochs" if r == 0 else "")
+            for r, y in enumerate(yours)),
+            "the stop decision must come out the same on every rank: take it on a value that "
+            "is the same on every rank, the validation loss over all ranks' shards")
+    if epochs != ref["epochs"]:
+        said = (f"{where}: every rank stopped after {epochs} epochs; the validation loss over "
+                f"all ranks was best at epoch {best}, so with patience={EARLY_STOP['patience']} "
+                f"the job stops after {ref['epochs']}")
+        if epochs < ref["epochs"]:
+            raise NotYet(said, "stopping when any one rank's loss rises (a stop flag "
+                         "all-reduced with MAX) ends too early: decide on the loss over all "
+                         "ranks' shards" if own_shards else
+                         f"with patience={EARLY_STOP['patience']} the job stops once the loss "
+                         f"has not improved for {EARLY_STOP['patience'] + 1} epochs: is "
+                         f"patience still used?")
+        raise NotYet(said, "is the stop test still run, with patience?" if not own_shards else
+                     "stopping only when every rank's own loss rises (a stop flag all-reduced "
+                     "with MIN) ends too late: decide on the loss over all ranks' shards")
     if own_shards:
-        raise NotYet(f"right epoch, but the ranks saw different validation losses (rank 0 "
-                     f"{yours[0]['val'][:3]}, rank 1 {yours[1]['val'][:3]}, ...)",
-                     "each rank still reports its own shard's loss: report the loss over all "
-                     "ranks, the number the decision is taken on")
+        differ = next(r for r, y in enumerate(yours) if y["val"] != yours[0]["val"])
+        raise NotYet(f"{where}: right epoch, but the ranks saw different validation losses "
+                     f"(rank 0 {yours[0]['val'][:3]}, rank {differ} {yours[differ]['val'][:3]}, "
+                     f"...)", "each rank still reports its own shard's loss: report the loss "
+                     "over all ranks, the number the decision is taken on")
     if len(yours[0]["val"]) != len(ref["val"]):
-        raise NotYet(f"{epochs} epochs but {len(yours[0]['val'])} validation losses",
+        raise NotYet(f"{where}: {epochs} epochs but {len(yours[0]['val'])} validation losses",
                      "append one validation loss per epoch trained, as the job does")
     ratio = yours[0]["val"][0] / ref["val"][0]
     if not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5)
                for a, b in zip(yours[0]["val"], ref["val"], strict=True)):
         hint = ("all_reduce sums: divide the sum by the number of samples (or of ranks)"
-                if math.isclose(ratio, len(ranks), rel_tol=1e-3) else
+                if math.isclose(ratio, world, rel_tol=1e-3) else
                 "the loss over all ranks is the sum of the squared errors over every shard "
                 "divided by the number of samples")
-        raise NotYet(f"right epoch, but the validation losses are {ratio:.3g}x labkit's "
-                     f"({yours[0]['val'][:3]} vs {ref['val'][:3]}, ...)", hint)
-    return (f"both ranks stopped after {epochs} epochs (the loss over all ranks was best at "
-            f"epoch {best}), with labkit's validation losses; no rank left waiting")
+        raise NotYet(f"{where}: right epoch, but the validation losses are {ratio:.3g}x "
+                     f"labkit's ({yours[0]['val'][:3]} vs {ref['val'][:3]}, ...)", hint)
+    for rank, got in enumerate(ranks):
+        _judge_early_stop_route(where, rank, got, epochs)
+    return f"on {world} ranks every rank stopped after {epochs} epochs (best at epoch {best})"
+
+
+# Beyond the gradients' all-reduces, the validation may add per epoch labkit's own bytes (one
+# all-reduce of the loss sum and the sample count, two float32 numbers) and one number more (a
+# count in int64, a stop flag): a bound that does not grow with the ranks, as a gather's would.
+_ES_SPARE = 4
+_ES_ROUTE = ("the decision needs two numbers over all ranks, the sum of the squared errors and "
+             "the sample count: one all_reduce (SUM) of both gives every rank the loss and, from "
+             "it, the same decision")
+
+
+def _judge_early_stop_route(where: str, rank: int, got: dict, epochs: int) -> None:
+    """Raise NotYet if ``rank``'s validation traffic is a gather, or more than a few numbers."""
+    calls, grad = got["calls"], got["grad_bytes"]
+    gathered = [b for op, b in calls if op in ("all_gather", "gather")]
+    if gathered:
+        raise NotYet(f"{where}: right epochs and losses, but rank {rank} gathered every rank's "
+                     f"values ({len(gathered)} gathers, {sum(gathered)} bytes)",
+                     "a gather of every rank's losses (or predictions) is a message that grows "
+                     "with the number of ranks, for a decision that needs two numbers: "
+                     + _ES_ROUTE)
+    odd = sorted({op for op, _ in calls} - {"all_reduce", "reduce", "broadcast"})
+    if odd:
+        raise NotYet(f"{where}: right epochs and losses, but rank {rank} made {odd} calls",
+                     "the job needs only all-reduces: " + _ES_ROUTE)
+    ours = (sum(b for _, b in got["labkit_calls"]) - len(got["labkit"]["val"]) * grad) \
+        / len(got["labkit"]["val"])
+    theirs = (sum(b for _, b in calls) - epochs * grad) / epochs
+    if theirs > ours + _ES_SPARE:
+        raise NotYet(f"{where}: right epochs and losses, but rank {rank} all-reduced "
+                     f"{theirs:.0f} bytes per epoch for the validation, beyond the gradients' "
+                     f"{grad}, where {ours:.0f} carry the loss sum and the sample count "
+                     f"({len(calls)} calls in {epochs} epochs)",
+                     ("is the same all-reduce made twice (once for the loss, once for the "
+                      "decision), or are its numbers float64? " if theirs <= 2 * ours else
+                      "that is more than a few numbers: are predictions or per-sample losses "
+                      "all-reduced? ") + _ES_ROUTE)
 
 
 # ==== challenge: training on uneven shards without a hang =====================================
