@@ -253,6 +253,52 @@ def brightness_zero():
     return exercise.brightness(_pipeline(layers.RandomBrightness(0.0, value_range=(0, 1))))
 
 
+@case
+def brightness_one_way():
+    from keras import layers
+
+    from labkit.exercises import augmentation_keras as exercise
+
+    return exercise.brightness(_pipeline(layers.RandomBrightness((0.0, 0.1),
+                                                                 value_range=(0, 1))))
+
+
+@case
+def brightness_pair_factor():  # a valid answer written otherwise: the range as a pair
+    from keras import layers
+
+    from labkit.exercises import augmentation_keras as exercise
+
+    return exercise.brightness(_pipeline(layers.RandomFlip("horizontal"),
+                                         layers.RandomBrightness((-0.1, 0.1),
+                                                                 value_range=(0.0, 1.0))))
+
+
+@case
+def flip_rotate_pair_factor():  # a valid answer written otherwise: the turns as a pair
+    from keras import layers
+
+    from labkit.exercises import augmentation_keras as exercise
+
+    return exercise.flip_rotate(_pipeline(layers.RandomRotation((-30 / 360, 30 / 360)),
+                                          layers.RandomFlip(mode="horizontal")), degrees=30)
+
+
+@case
+def transfer_stages_layer_by_layer():  # a valid answer written otherwise: each layer of the base
+    from labkit.exercises import augmentation_keras as exercise
+
+    compile_model = _namespace()["compile_model"]
+
+    def prepare_stage(model, base, stage):
+        for layer in base.layers:
+            layer.trainable = stage != "head"
+        base.trainable = stage != "head"
+        compile_model(model, {"head": HEAD_LR, "finetune": FINETUNE_LR}[stage])
+
+    return exercise.transfer_stages(prepare_stage, HEAD_LR, FINETUNE_LR)
+
+
 # ---- the subprocess and the tests ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -311,8 +357,16 @@ def test_keras_flip_rotate_wrong_starting_point_says_what_is_missing(verdicts):
     not_yet(verdicts, "flip_rotate_starting_point", "no RandomFlip layer among []")
 
 
+def test_keras_flip_rotate_a_pair_of_factors_passes_too(verdicts):
+    passed(verdicts, "flip_rotate_pair_factor")
+
+
 def test_keras_transfer_stages_solution_passes(verdicts):
     assert "compiled again" in passed(verdicts, "transfer_stages_solution")["detail"]
+
+
+def test_keras_transfer_stages_freezing_each_layer_passes_too(verdicts):
+    passed(verdicts, "transfer_stages_layer_by_layer")
 
 
 def test_keras_transfer_stages_wrong_no_recompile(verdicts):
@@ -354,6 +408,15 @@ def test_keras_brightness_wrong_too_strong(verdicts):
 
 def test_keras_brightness_wrong_factor_zero(verdicts):
     not_yet(verdicts, "brightness_zero", "never changes")
+
+
+def test_keras_brightness_wrong_one_way_only(verdicts):
+    v = not_yet(verdicts, "brightness_one_way", "one way only")
+    assert "(0, 0.1) only lightens" in v["hint"]
+
+
+def test_keras_brightness_a_pair_of_factors_passes_too(verdicts):
+    passed(verdicts, "brightness_pair_factor")
 
 
 if __name__ == "__main__":  # the subprocess: TensorFlow here, never in the pytest process

@@ -149,6 +149,89 @@ def tf_config_chief():
                                                     "index": i}})
 
 
+@case
+def tf_config_sorted():
+    return data_parallel_keras.tf_config(lambda i, addresses: {
+        "cluster": {"worker": sorted(addresses)}, "task": {"type": "worker", "index": i}})
+
+
+@case
+def tf_config_copied_by_json():  # a valid answer written otherwise: a template, filled in
+    template = '{"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}}'
+
+    def make_tf_config(worker, addresses):
+        config = json.loads(template)
+        config["cluster"]["worker"].extend(addresses)
+        config["task"]["index"] = worker
+        return config
+
+    return data_parallel_keras.tf_config(make_tf_config)
+
+
+# ---- keras_worker_shard in the kernel: 4 input pipelines, before any worker starts ---------------
+
+def two_workers_written_in(dataset, ctx, global_batch):  # GLOBAL // 2 and shard(2, i)
+    return dataset.shard(2, ctx.input_pipeline_id).batch(global_batch // 2, drop_remainder=True)
+
+
+def half_the_global_batch(dataset, ctx, global_batch):
+    shard = dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+    return shard.batch(global_batch // 2, drop_remainder=True)
+
+
+def notebook_global_batch(dataset, ctx, global_batch):  # the notebook's 8, not the argument
+    shard = dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+    return shard.batch(ctx.get_per_replica_batch_size(8), drop_remainder=True)
+
+
+def every_nth_by_index(dataset, ctx, global_batch):  # valid, written otherwise
+    n, mine = ctx.num_input_pipelines, ctx.input_pipeline_id
+
+    def keep(index, example):
+        return index % n == mine
+
+    def drop_index(index, example):
+        return example
+
+    own = dataset.enumerate().filter(keep).map(drop_index)
+    return own.batch(global_batch // n, drop_remainder=True)
+
+
+def _on_four_pipelines(fn):
+    """What worker_shard checks in the kernel, as a verdict: 4 pipelines, a global batch of 16."""
+    try:
+        said = data_parallel_keras._judge_shards(
+            data_parallel_keras._context_shards(fn, 4, 42, 16), 42, 16)
+    except check.NotYet as wrong:
+        return check.Verdict("shards", False, wrong.detail, wrong.hint)
+    return check.Verdict("shards", True, said)
+
+
+@case
+def shard_two_workers_written_in():  # fails in the kernel: no worker starts
+    return data_parallel_keras.worker_shard(two_workers_written_in)
+
+
+@case
+def shard_half_the_global_batch():
+    return data_parallel_keras.worker_shard(half_the_global_batch)
+
+
+@case
+def shard_notebook_global_batch():
+    return data_parallel_keras.worker_shard(notebook_global_batch)
+
+
+@case
+def shard_solution_on_four_pipelines():
+    return _on_four_pipelines(_solution("keras_worker_shard", "shard_and_batch"))
+
+
+@case
+def shard_every_nth_on_four_pipelines():
+    return _on_four_pipelines(every_nth_by_index)
+
+
 @pytest.fixture(scope="module")
 def verdicts():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
@@ -228,6 +311,34 @@ def test_keras_tf_config_wrong_chief_type(verdicts):
     not_yet(verdicts, "tf_config_chief", '"type": "worker"')
 
 
+def test_keras_tf_config_wrong_addresses_sorted(verdicts):
+    not_yet(verdicts, "tf_config_sorted", "the same order on every worker")
+
+
+def test_keras_tf_config_a_filled_in_template_passes_too(verdicts):
+    passed(verdicts, "tf_config_copied_by_json")
+
+
+def test_keras_worker_shard_wrong_two_workers_written_in(verdicts):
+    v = not_yet(verdicts, "shard_two_workers_written_in", "on pipeline 2 of 4 it raised")
+    assert "with 4 workers" in v["detail"] and "ctx (num_input_pipelines" in v["hint"]
+
+
+def test_keras_worker_shard_wrong_half_the_global_batch_on_each(verdicts):
+    v = not_yet(verdicts, "shard_half_the_global_batch", "batches of [8] examples, expected 4")
+    assert "get_per_replica_batch_size" in v["hint"]
+
+
+def test_keras_worker_shard_wrong_global_batch_from_the_notebook(verdicts):
+    not_yet(verdicts, "shard_notebook_global_batch", "batches of [2] examples, expected 4")
+
+
+def test_keras_worker_shard_solution_and_another_answer_pass_on_four_pipelines(verdicts):
+    said = passed(verdicts, "shard_solution_on_four_pipelines")["detail"]
+    assert "4 workers saw disjoint shards, 2 batches of 4 each" in said
+    passed(verdicts, "shard_every_nth_on_four_pipelines")
+
+
 # ---- keras_worker_shard (on two TensorFlow workers) ----------------------------------------------
 
 def no_shard(dataset, ctx, global_batch):
@@ -254,7 +365,8 @@ def same_shard_everywhere(dataset, ctx, global_batch):
     return shard.batch(ctx.get_per_replica_batch_size(global_batch), drop_remainder=True)
 
 
-WRONG = [no_shard, global_batch_each, partial_batches, shard_after_batch, same_shard_everywhere]
+WRONG = [no_shard, global_batch_each, partial_batches, shard_after_batch, same_shard_everywhere,
+         every_nth_by_index]  # the last is right: written otherwise, it passes on real workers
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +390,11 @@ def test_keras_worker_shard_solution_passes_on_two_workers(wrong_batches):
     said = data_parallel_keras._judge_shards(wrong_batches["shard_and_batch"], 42, 8)
     assert "2 workers saw disjoint shards, 5 batches of 4 each (40 of 42 examples" in said
     assert wrong_batches["shard_and_batch"][1][0] == [1, 3, 5, 7]  # worker 1: every 2nd, from 1
+
+
+def test_keras_worker_shard_another_valid_answer_passes_on_two_workers(wrong_batches):
+    said = data_parallel_keras._judge_shards(wrong_batches["every_nth_by_index"], 42, 8)
+    assert "2 workers saw disjoint shards, 5 batches of 4 each" in said
 
 
 def test_keras_worker_shard_wrong_no_shard(wrong_batches):

@@ -87,6 +87,22 @@ def test_memory_largest_batch_wrong_negative_when_nothing_fits():
     assert said(exercise.largest_batch_estimate(fn), "return 0, not a negative batch")
 
 
+def test_memory_largest_batch_wrong_strictly_under_the_budget():
+    def fn(n_params, fixed, per_sample, budget):  # a batch whose total equals budget left out
+        return max(0, (budget - 16 * n_params - fixed - 1) // per_sample)
+
+    verdict = exercise.largest_batch_estimate(fn)
+    assert said(verdict, "at batch 50 the total is the budget to the byte, and it fits")
+    assert "<= budget, not < budget" in verdict.hint
+
+
+def test_memory_largest_batch_a_division_in_floats_passes_too():
+    def fn(n_params, fixed, per_sample, budget):
+        return max(0, math.floor((budget - fixed - (4 + 4 + 8) * n_params) / per_sample))
+
+    assert exercise.largest_batch_estimate(fn)
+
+
 # ---- thread_budget ------------------------------------------------------------------------------
 
 
@@ -99,7 +115,14 @@ def _envs(threads_of):
 def test_thread_budget_wrong_split_between_jobs_only():
     verdict = exercise.thread_budget(_envs(lambda cores, jobs, ranks: cores // jobs))
     assert said(verdict, "not between the ranks of each job")
-    assert "job A: 2 ranks x 8 threads = 16" in verdict.detail  # names the oversubscribed job
+    assert "job A: 4 ranks x 16 threads = 64" in verdict.detail  # names the oversubscribed job
+
+
+def test_thread_budget_wrong_split_between_ranks_only():
+    # on 2 jobs of 2 ranks it is the same number as the jobs-only split: 2 jobs of 4 tell them apart
+    verdict = exercise.thread_budget(_envs(lambda cores, jobs, ranks: cores // ranks))
+    assert said(verdict, "split the cores between the ranks of one job, but every job took all")
+    assert "2 jobs of 4 ranks on 32 cores" in verdict.detail
 
 
 def test_thread_budget_wrong_all_cores_each():
@@ -113,12 +136,34 @@ def test_thread_budget_wrong_one_job_greedy():
             resources.thread_env(cores)]
 
     verdict = exercise.thread_budget(plan)
-    assert said(verdict, "oversubscribed") and "job B: 2 ranks x 16 threads" in verdict.detail
+    assert said(verdict, "oversubscribed") and "job B: 4 ranks x 32 threads" in verdict.detail
     assert "job A" not in verdict.detail
 
 
 def test_thread_budget_wrong_one_thread_each():
     assert said(exercise.thread_budget(_envs(lambda cores, jobs, ranks: 1)), "most cores idle")
+
+
+def test_thread_budget_wrong_a_core_kept_back():
+    verdict = exercise.thread_budget(_envs(lambda cores, jobs, ranks:
+                                           max(1, cores // (jobs * ranks) - 1)))
+    assert said(verdict, "8 cores idle (job A: 3 per rank, where every rank can have 4)")
+    assert "give it all of them" in verdict.hint
+
+
+def test_thread_budget_wrong_no_thread_when_cores_are_fewer_than_ranks():
+    verdict = exercise.thread_budget(_envs(lambda cores, jobs, ranks: cores // (jobs * ranks)))
+    assert said(verdict, "2 jobs of 2 ranks on 2 cores it raised ValueError")
+    assert "every rank gets at least 1" in verdict.hint
+
+
+def test_thread_budget_wrong_zero_threads_written_as_a_string():
+    def plan(cores, jobs, ranks):
+        return [{"OMP_NUM_THREADS": str(cores // (jobs * ranks)),
+                 "MKL_NUM_THREADS": str(cores // (jobs * ranks))}] * jobs
+
+    verdict = exercise.thread_budget(plan)
+    assert said(verdict, "OMP_NUM_THREADS='0' on 2 cores") and "at least 1" in verdict.hint
 
 
 def test_thread_budget_wrong_numbers_not_strings():
@@ -156,6 +201,16 @@ def test_thread_budget_wrong_only_omp_where_mkl_is_set():
 def test_thread_budget_the_solution_passes_on_two_started_jobs(solved):
     verdict = exercise.thread_budget(solved["my_thread_envs"])
     assert verdict and "two 2-rank jobs started" in verdict.detail
+
+
+@pytest.mark.slow
+def test_thread_budget_the_spare_cores_given_to_the_first_job_pass_too():
+    def plan(cores, jobs, ranks):
+        share = max(1, cores // (jobs * ranks))
+        spare = max(0, cores - share * jobs * ranks) // ranks  # whole threads for every rank
+        return [resources.thread_env(share + (spare if job == 0 else 0)) for job in range(jobs)]
+
+    assert exercise.thread_budget(plan)
 
 
 # ---- slurm_rank_env -----------------------------------------------------------------------------
@@ -212,6 +267,58 @@ def test_slurm_rank_env_wrong_port_differs_between_tasks():
     assert said(verdict, "the same on every task")
 
 
+def _per_node(env):
+    return int(env["SLURM_NTASKS_PER_NODE"])
+
+
+def test_slurm_rank_env_wrong_rank_from_node_and_tasks_per_node():
+    verdict = exercise.slurm_rank_env(_rank_env(
+        RANK=lambda e: str(int(e["SLURM_NODEID"]) * _per_node(e) + int(e["SLURM_LOCALID"]))))
+    assert said(verdict, "a job of 3 nodes with 3, 1 and 2 tasks (cn[9,11-12]): it read "
+                         "SLURM_NTASKS_PER_NODE, which this job does not set")
+    assert "only when the job asks for --ntasks-per-node" in verdict.hint
+
+
+def test_slurm_rank_env_wrong_world_size_from_nodes_times_tasks_per_node():
+    verdict = exercise.slurm_rank_env(_rank_env(
+        WORLD_SIZE=lambda e: str(int(e["SLURM_NNODES"]) * _per_node(e))))
+    assert said(verdict, "SLURM_NTASKS hold the rank, the local rank and the world size")
+
+
+def test_slurm_rank_env_wrong_local_rank_from_procid_modulo_tasks_per_node():
+    verdict = exercise.slurm_rank_env(_rank_env(
+        LOCAL_RANK=lambda e: str(int(e["SLURM_PROCID"]) % _per_node(e))))
+    assert said(verdict, "it read SLURM_NTASKS_PER_NODE, which this job does not set")
+
+
+def test_slurm_rank_env_wrong_node_list_cut_at_the_first_dash():
+    def first(nodelist):  # node[07-08] -> node07, but cn[9,11-12] -> cn9,11
+        if "[" not in nodelist:
+            return nodelist.split(",")[0]
+        prefix, rest = nodelist.split("[", 1)
+        return prefix + rest.split("-")[0]
+
+    verdict = exercise.slurm_rank_env(
+        _rank_env(MASTER_ADDR=lambda e: first(e["SLURM_JOB_NODELIST"])))
+    assert said(verdict, "MASTER_ADDR ['cn9,11'], expected 'cn9'")
+    assert "commas inside the brackets too" in verdict.hint
+
+
+def test_slurm_rank_env_wrong_variable_the_check_does_not_set():
+    verdict = exercise.slurm_rank_env(_rank_env(WORLD_SIZE=lambda e: e["SLURM_STEP_NUM_TASKS"]))
+    assert said(verdict, "it read SLURM_STEP_NUM_TASKS, which the check's tasks do not set")
+    assert "SLURM_PROCID" in verdict.hint
+
+
+def test_slurm_rank_env_the_older_names_and_a_port_from_the_job_pass_too():
+    verdict = exercise.slurm_rank_env(lambda env: {
+        "MASTER_ADDR": slurm.first_node(env["SLURM_NODELIST"]),
+        "MASTER_PORT": str(15000 + int(env["SLURM_JOB_ID"]) % 10000),
+        "WORLD_SIZE": env["SLURM_NPROCS"], "RANK": env["SLURM_PROCID"],
+        "LOCAL_RANK": env["SLURM_LOCALID"]})
+    assert verdict and "4 jobs, 21 tasks; 2 ranks met at localhost" in verdict.detail
+
+
 def test_slurm_rank_env_wrong_missing_variables():
     verdict = exercise.slurm_rank_env(lambda env: {"RANK": env["SLURM_PROCID"]})
     assert said(verdict, "no MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_RANK")
@@ -239,6 +346,12 @@ def _resume(*, pick=-1, model=True, optimizer=True, add=0):
             opt.load_state_dict(state["optimizer"])
         return state["step"] + add
     return fn
+
+
+def test_checkpoint_resume_the_newest_file_by_its_name_passes_too():
+    # glob and sort: the names are zero-padded, so the last is the newest
+    verdict = exercise.checkpoint_resume(_resume())
+    assert verdict and "bitwise those of an uninterrupted run" in verdict.detail
 
 
 def test_checkpoint_resume_wrong_loads_none_when_nothing_was_saved():

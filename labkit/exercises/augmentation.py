@@ -17,26 +17,40 @@ _KINDS = {"flip": ("RandomHorizontalFlip", "RandomVerticalFlip"),
           "policy": ("RandAugment", "AutoAugment", "TrivialAugmentWide", "AugMix")}
 
 
+def _steps(transform) -> list:
+    """The steps of a pipeline, nested Compose, RandomApply and RandomChoice opened up."""
+    inner = getattr(transform, "transforms", None)
+    if isinstance(inner, list | tuple):
+        return [step for t in inner for step in _steps(t)]
+    return [transform]
+
+
 @exercise("augmentation_pipeline", notebook=NOTEBOOK, title="augmentation pipeline")
 def augmentation_pipeline(transform, image_size: int, *, needs=("flip", "rotation")) -> str:
     """Exercise: a v2 pipeline that augments (``needs``) and returns normalised float images.
 
+    Called eight times on a random uint8 image: float32 ``3 x image_size x image_size`` out,
+    different each time; each needed step present (nested pipelines opened up) and acting (a
+    flip with p > 0, a rotation by more than 0 degrees); a Normalize step, on pixels scaled to
+    0..1 first.
+
     Example::
 
         >>> exercise.augmentation_pipeline(my_transform, image_size=64)
-        [pass] augmentation pipeline: flip, rotation; float32 3x64x64 output, random
+        [pass] augmentation pipeline: flip, rotation; normalised float32 3x64x64 output, random
     """
     import torch
 
     image = torch.randint(0, 256, (3, image_size + 8, image_size + 8), dtype=torch.uint8)
     try:
         torch.manual_seed(0)
-        outs = [transform(image) for _ in range(4)]
+        outs = [transform(image) for _ in range(8)]
     except Exception as exc:  # the learner's pipeline may fail in any way: say how
         raise NotYet(f"calling it on a uint8 3xHxW image failed: {exc}",
                      "test it on one image first: transform(torch.zeros(3, 64, 64, "
                      "dtype=torch.uint8))") from None
-    steps = [type(t).__name__ for t in getattr(transform, "transforms", [transform])]
+    found = _steps(transform)
+    steps = [type(t).__name__ for t in found]
     for need in needs:
         if not any(s in _KINDS[need] for s in steps):
             raise NotYet(f"no {need} step among {steps}",
@@ -49,15 +63,37 @@ def augmentation_pipeline(transform, image_size: int, *, needs=("flip", "rotatio
     if tuple(out.shape) != (3, image_size, image_size):
         raise NotYet(f"output shape {tuple(out.shape)}, expected (3, {image_size}, {image_size})",
                      f"resize or crop to {image_size}, e.g. v2.RandomResizedCrop({image_size})")
-    if all(torch.equal(outs[0], o) for o in outs[1:]):
-        raise NotYet("four calls gave the same image: nothing random happens",
+    # A step that cannot act is named, unless nothing needed can act (nothing random at all).
+    dead = []
+    flips = [t for t in found if type(t).__name__ in _KINDS["flip"]]
+    if "flip" in needs and all(getattr(t, "p", 1) <= 0 for t in flips):
+        dead.append((f"its flip step never flips (p={getattr(flips[0], 'p', None)})",
+                     "p is the probability that an image is flipped: leave the default, 0.5"))
+    turns = [t for t in found if type(t).__name__ in _KINDS["rotation"]]
+    if "rotation" in needs and all(list(getattr(t, "degrees", [1])) == [0, 0] for t in turns):
+        dead.append(("its rotation step turns by 0 degrees",
+                     "RandomRotation(d) turns each image by a random angle from -d to +d "
+                     "degrees: e.g. 15"))
+    if all(torch.equal(outs[0], o) for o in outs[1:]) and len(dead) != 1:
+        raise NotYet("eight calls gave the same image: nothing random happens",
                      "augmentation steps are random: check their probabilities and ranges")
-    return f"{', '.join(needs)}; float32 3x{image_size}x{image_size} output, random"
+    if dead:
+        raise NotYet(*dead[0])
+    if "Normalize" not in steps:
+        raise NotYet(f"the float images come out on 0..1, not normalised: no Normalize step "
+                     f"among {steps}", "end with v2.Normalize(augment.IMAGENET_MEAN, "
+                     "augment.IMAGENET_STD): the pretrained network saw its images so")
+    if (top := out.abs().max().item()) > 50:
+        raise NotYet(f"values up to {top:.0f} after Normalize: the pixels were not scaled to "
+                     f"0..1 first", "v2.ToDtype(torch.float32, scale=True): without scale=True "
+                     "255 stays 255, and Normalize expects 0..1")
+    return (f"{', '.join(needs)}; normalised float32 3x{image_size}x{image_size} output, "
+            f"random")
 
 
 @exercise("frozen_base", notebook=NOTEBOOK, title="freeze the base")
 def frozen_base(model, base: str = "features", head: str = "classifier") -> str:
-    """Exercise: the convolutional base frozen, the head still trainable.
+    """Exercise: the convolutional base frozen, every parameter of the head still trainable.
 
     Example::
 
@@ -74,6 +110,11 @@ def frozen_base(model, base: str = "features", head: str = "classifier") -> str:
     if all(not p.requires_grad for p in head_params):
         raise NotYet(f"the head (model.{head}) is frozen too: nothing would learn",
                      f"freeze only model.{base}; keep model.{head} trainable")
+    frozen_head = sum(p.numel() for p in head_params if not p.requires_grad)
+    if frozen_head:
+        raise NotYet(f"{frozen_head:,} of the head's {sum(p.numel() for p in head_params):,} "
+                     f"parameters are frozen too", f"the whole head learns the new task: "
+                     f"freeze model.{base} only, every parameter of model.{head} trains")
     total_base = sum(p.numel() for p in base_params)
     trainable_head = sum(p.numel() for p in head_params if p.requires_grad)
     return f"{total_base:,} base parameters frozen, {trainable_head:,} head parameters train"
@@ -85,7 +126,8 @@ def per_image_flip(fn) -> str:
 
     Graded on a batch of 400 random CPU images: every output image must be the input image or
     its mirror; p=0 flips none, p=1 all, p=0.25 and p=0.5 about that share, each image its own
-    coin; the input stays as it was, and a seeded generator repeats the flips.
+    coin; the input stays as it was, a seeded generator repeats the flips and another seed
+    changes them (the coins come from the generator given), and a float16 batch stays float16.
 
     Example::
 
@@ -135,8 +177,21 @@ def per_image_flip(fn) -> str:
         raise NotYet("the same seeded generator gave different flips",
                      "draw with the generator you are given: torch.rand(n, generator="
                      "generator), so that a run can be repeated")
+    if torch.equal(flipped(0.5, seed=1), flipped(0.5, seed=2)):
+        raise NotYet("generators seeded 1 and 2 gave the same flips: the coins do not come "
+                     "from the generator you are given",
+                     "draw with it: torch.rand(n, generator=generator). A seed fixed inside "
+                     "the function flips the same images in every epoch")
+    half = batch.to(torch.float16)
+    out = fn(half, 0.5, generator=torch.Generator().manual_seed(0))
+    if getattr(out, "dtype", None) != torch.float16:
+        raise NotYet(f"a float16 batch came back {getattr(out, 'dtype', type(out).__name__)}",
+                     "keep the batch's dtype: pick between the images and their mirrors "
+                     "(torch.where) rather than mixing them with float32 coins, which "
+                     "promotes half-precision images to float32")
     return ("each image its own coin: p=0 flips none, p=1 all, p=0.25 and 0.5 about that "
-            "share; the input is left as it was and a seeded generator repeats the flips")
+            "share; the input is left as it was, a seeded generator repeats the flips and "
+            "another seed changes them; a float16 batch stays float16")
 
 
 def _memoriser(train_set, image_size: int):
@@ -162,6 +217,11 @@ def _memoriser(train_set, image_size: int):
             self.register_buffer("memory", images.flatten(1) / (1 + self.norm.eps) ** 0.5)
 
         def forward(self, x):
+            if tuple(x.shape[-2:]) != (image_size, image_size):
+                raise NotYet(f"the model was given {x.shape[-2]}x{x.shape[-1]} images; the "
+                             f"check's are {image_size}x{image_size}",
+                             "resize to the image_size argument, augment.augmentation("
+                             "image_size, kind='none'), not to a size from the notebook")
             x = self.drop(self.norm(x)).flatten(1)
             d = torch.cdist(x, self.memory, compute_mode="donot_use_mm_for_euclid_dist")
             # a class's logit: minus the distance to its nearest memorised image

@@ -202,8 +202,8 @@ def transfer_stages(prepare_stage, head_lr: float, finetune_lr: float) -> str:
 def brightness(pipeline, factor: float = 0.1) -> str:
     """Exercise: a ``RandomBrightness`` layer for pixels on 0..1, up to ``factor`` of the range.
 
-    Tried on grey images (0.5 everywhere) in training mode: the change must stay inside 0..1 and
-    be about ``factor`` at most.
+    Tried on grey images (0.5 everywhere) in training mode: the change must stay inside 0..1,
+    be about ``factor`` at most, and go both ways (some images lighter, some darker).
 
     Example::
 
@@ -233,5 +233,12 @@ def brightness(pipeline, factor: float = 0.1) -> str:
     if change.max() < 0.6 * factor:
         raise NotYet(f"the change stays below {change.max():.3f}, far under {factor:g} of the "
                      f"range", f"factor={factor:g}: the largest change, as a fraction of 0..1")
+    signed = shown.mean(axis=(1, 2, 3)) - 0.5
+    lighter, darker = int((signed > 1e-3).sum()), int((signed < -1e-3).sum())
+    if not lighter or not darker:
+        raise NotYet(f"of {len(grey)} grey images, {lighter} came out lighter and {darker} "
+                     f"darker: it changes the brightness one way only",
+                     f"a single factor f changes it by -f to +f ({factor:g}); a pair (lower, "
+                     f"upper) is the range itself, so (0, {factor:g}) only lightens")
     return (f"brightness changes by up to {change.max():.3f} (asked: {factor:g}), "
             f"pixels stay on 0..1")

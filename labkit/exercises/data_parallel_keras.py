@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from ..check import NotYet, exercise, on_ranks
 
@@ -165,6 +166,11 @@ def _diagnose_tf_config(config, worker: int, addresses: list[str]) -> None:
                      '"index": i}}')
 
 
+def _addresses(workers: int) -> list[str]:
+    """The cluster's addresses, as given: not sorted, so that sorting them changes the order."""
+    return [f"host-{'cadbfehgjilk'[i]}.lab:{2222 + i}" for i in range(workers)]
+
+
 @exercise("keras_tf_config", notebook=NOTEBOOK, title="TF_CONFIG for worker i")
 def tf_config(make_tf_config, workers: int = 3) -> str:
     """Exercise: ``make_tf_config(worker, addresses)``, the ``TF_CONFIG`` dict of one worker.
@@ -179,7 +185,7 @@ def tf_config(make_tf_config, workers: int = 3) -> str:
     """
     import tensorflow as tf
 
-    addresses = [f"127.0.0.1:{23450 + i}" for i in range(workers)]
+    addresses = _addresses(workers)
     configs = [make_tf_config(i, list(addresses)) for i in range(workers)]
     for i, config in enumerate(configs):
         _diagnose_tf_config(config, i, addresses)
@@ -275,20 +281,61 @@ def _judge_shards(per_worker: list[list[list[int]]], samples: int, global_batch:
             f"({samples - missed} of {samples} examples; the rest would make a partial batch)")
 
 
+def _context_shards(shard_and_batch, workers: int, samples: int, global_batch: int,
+                    limit: int = 64) -> list[list[list[int]]]:
+    """The batches each of ``workers`` input pipelines would give, here in the kernel.
+
+    Each pipeline gets the ``tf.distribute.InputContext`` the strategy would pass it: what the
+    learner's code reads (its pipeline's id, how many there are, the per-replica batch) is the
+    same as on real workers, without starting them.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    ids = np.arange(samples)
+    found = []
+    for w in range(workers):
+        ctx = tf.distribute.InputContext(num_input_pipelines=workers, input_pipeline_id=w,
+                                         num_replicas_in_sync=workers)
+        examples = tf.data.Dataset.from_tensor_slices((ids[:, None].astype("float32"), ids))
+        try:
+            batches = shard_and_batch(examples, ctx, global_batch)
+            found.append([[int(v) for v in np.atleast_1d(y.numpy())]
+                          for _, (_, y) in zip(range(limit), batches, strict=False)])
+        except Exception as exc:  # the learner's code, e.g. shard(2, i) on pipeline 2 of 4
+            said = re.sub(r"\{\{.*?\}\}\s*", "", str(exc)).strip().split("\n")[0][:160]
+            raise NotYet(f"on pipeline {w} of {workers} it raised {type(exc).__name__}: {said}",
+                         "it runs once per worker, each time with that worker's ctx") from None
+    return found
+
+
 @exercise("keras_worker_shard", notebook=NOTEBOOK, title="a shard and a batch per worker")
 def worker_shard(shard_and_batch, samples: int = 42, global_batch: int = 8,
                  timeout: float = 120) -> str:
     """Exercise: ``shard_and_batch(dataset, ctx, global_batch)``, one worker's batches.
 
-    Run on 2 real TensorFlow workers (``MultiWorkerMirroredStrategy``, each with its own
-    ``TF_CONFIG``) on a dataset of ``samples`` numbered examples: the workers must see disjoint
-    examples, in batches of their share of ``global_batch``, as many on each.
+    First on 4 input pipelines here, each with the ``InputContext`` the strategy would give it
+    (global batch ``2 * global_batch``), then on 2 real TensorFlow workers
+    (``MultiWorkerMirroredStrategy``, each with its own ``TF_CONFIG``), on a dataset of
+    ``samples`` numbered examples: the workers must see disjoint examples, in batches of their
+    share of the global batch, as many on each.
 
     Example::
 
         >>> exercise.worker_shard(shard_and_batch)
         [pass] a shard and a batch per worker: 2 workers saw disjoint shards, 5 batches of 4 ...
     """
+    # First 4 pipelines with the InputContext each would get: a number of workers written in
+    # (global_batch // 2, shard(2, ...)) passes on 2 workers and fails here.
+    try:
+        _judge_shards(_context_shards(shard_and_batch, 4, samples, 2 * global_batch), samples,
+                      2 * global_batch)
+    except NotYet as wrong:
+        raise NotYet(f"with 4 workers and a global batch of {2 * global_batch}: {wrong.detail}",
+                     "read the number of workers, this worker's id and the per-worker batch from "
+                     "ctx (num_input_pipelines, input_pipeline_id, get_per_replica_batch_size), "
+                     "not from numbers in the notebook; " + wrong.hint) from None
     values = on_ranks(_shard_worker, [shard_and_batch], samples, global_batch, nproc=2,
                       timeout=timeout, framework="tensorflow")
-    return _judge_shards([v["batches"][0] for v in values], samples, global_batch)
+    return (_judge_shards([v["batches"][0] for v in values], samples, global_batch)
+            + f"; and on 4 input pipelines, a global batch of {2 * global_batch}")

@@ -27,7 +27,9 @@ MiB = 2**20
 # usual mistake gives another answer.
 _MEMORY_CASES = [(2_000_000, 3 * MiB, 200 * 1024, 64 * MiB), (500_000, 0, 96 * 1024, 16 * MiB),
                  (8_000_000, 20 * MiB, 1 * MiB, 256 * MiB),
-                 (5_000_000, 2 * MiB, 64 * 1024, 64 * MiB)]  # the last: not even the states fit
+                 (5_000_000, 2 * MiB, 64 * 1024, 64 * MiB),  # not even the states fit
+                 # the total at batch 50 is the budget to the byte: it fits (<=), batch 50
+                 (MiB, MiB, 64 * 1024, 16 * MiB + MiB + 50 * 64 * 1024)]
 # A wrong answer's likely cause: bytes per parameter counted, fixed bytes counted, and the hint.
 _MEMORY_MISTAKES = [
     (8, True, "you forgot the optimizer state: Adam keeps 2 extra copies of the parameters "
@@ -56,7 +58,7 @@ def largest_batch_estimate(fn, model=None, sample=None, budget=None) -> str:
     Example::
 
         >>> exercise.largest_batch_estimate(my_largest_batch, vgg, SAMPLE, BUDGET)
-        [pass] the largest batch that fits: 4 cases and this model in 64 MiB: 150, as the ...
+        [pass] the largest batch that fits: 5 cases and this model in 64 MiB: 150, as the ...
     """
     for n, fixed, per_sample, limit in _MEMORY_CASES:
         got, want = fn(n, fixed, per_sample, limit), _batch_that_fits(n, fixed, per_sample, limit)
@@ -73,6 +75,10 @@ def largest_batch_estimate(fn, model=None, sample=None, budget=None) -> str:
         for per_param, with_fixed, hint in _MEMORY_MISTAKES:
             if got == _batch_that_fits(n, fixed, per_sample, limit, per_param, with_fixed):
                 raise NotYet(f"{case}, the largest that fits is {want}", hint)
+        if got == want - 1 and 16 * n + fixed + want * per_sample == limit:
+            raise NotYet(f"{case}: at batch {want} the total is the budget to the byte, and it "
+                         f"fits", "a batch fits when its total is <= budget, not < budget: "
+                                  "the floor of the room over per_sample, with nothing taken off")
         need = 16 * n + fixed + got * per_sample
         if need > limit:
             raise NotYet(f"{case}, which needs {need / MiB:.2f} MiB: over the budget",
@@ -102,7 +108,9 @@ def largest_batch_estimate(fn, model=None, sample=None, budget=None) -> str:
 # ---- thread budgets for jobs sharing a machine ---------------------------------------------------
 
 # (cores, jobs, ranks per job) of the machines the plan is checked on; _RUN is started for real.
-_MACHINES = [(16, 2, 2), (12, 2, 2), (32, 2, 4), (6, 2, 2), (64, 4, 2)]
+# The first has jobs != ranks, so that dividing by one of them only is told apart; (2, 2, 2) has
+# fewer cores than ranks: one thread each is then the least, and the most, a rank can get.
+_MACHINES = [(32, 2, 4), (16, 2, 2), (12, 2, 2), (6, 2, 2), (64, 4, 2), (2, 2, 2)]
 _RUN = (8, 2, 2)
 _JOB = "ABCDEFGH"
 
@@ -129,6 +137,7 @@ def _threads_of(plan, cores, jobs, ranks) -> list[int]:
         value = env["OMP_NUM_THREADS"]
         if not value.isdigit() or int(value) < 1:
             raise NotYet(f"job {job}: OMP_NUM_THREADS={value!r} on {cores} cores",
+                         _FEWER_CORES if value.isdigit() and cores < jobs * ranks else
                          "each rank needs a whole number of threads, at least 1")
         threads.append(int(value))
     return threads
@@ -138,21 +147,46 @@ def _oversubscribed(threads, cores, jobs, ranks) -> None:
     """NotYet naming the job(s) that take more than their share, or the cores left idle."""
     used = sum(t * ranks for t in threads)
     where = f"{jobs} jobs of {ranks} ranks on {cores} cores"
-    if used > cores:
+    # what an even split gives every rank: more for all would oversubscribe; at least 1
+    share = max(1, cores // (jobs * ranks))
+    if used > cores and any(t > share for t in threads):
         over = [f"job {j}: {ranks} ranks x {t} threads = {t * ranks}"
                 for j, t in zip(_JOB, threads, strict=False) if t * ranks > cores / jobs]
         if all(t == cores // jobs for t in threads):
             hint = ("you split the cores between the jobs but not between the ranks of each job: "
                     "threads per rank = cores // (jobs x ranks per job)")
+        elif all(t == cores // ranks for t in threads):
+            hint = ("you split the cores between the ranks of one job, but every job took all of "
+                    "them: threads per rank = cores // (jobs x ranks per job)")
         elif all(t == cores for t in threads):
             hint = "every rank takes all the cores: divide them by jobs x ranks per job"
         else:
             hint = "threads x ranks, summed over the jobs, must not exceed the cores"
         raise NotYet(f"{where}: {used} threads, oversubscribed ({'; '.join(over) or 'in all'})",
                      hint)
-    if used < cores / 2:
-        raise NotYet(f"{where}: only {used} threads, most cores idle",
-                     "give each rank cores // (jobs x ranks per job) threads")
+    short = [j for j, t in zip(_JOB, threads, strict=False) if t < share]
+    if short:
+        idle = cores - used
+        raise NotYet(f"{where}: {used} threads, {'most' if used < cores / 2 else idle} cores "
+                     f"idle (job {short[0]}: {threads[_JOB.index(short[0])]} per rank, where "
+                     f"every rank can have {share})",
+                     "each rank can have cores // (jobs x ranks per job) threads (at least 1) "
+                     "without oversubscribing: give it all of them")
+
+
+_FEWER_CORES = ("with fewer cores than ranks, cores // (jobs x ranks per job) is 0, but a "
+                "process cannot run on 0 threads: every rank gets at least 1")
+
+
+def _planned(plan, cores, jobs, ranks):
+    """``plan(cores, jobs, ranks)``; on a machine with fewer cores than ranks, a failure named."""
+    try:
+        return plan(cores, jobs, ranks)
+    except Exception as exc:  # the learner's code: most often thread_env(0)
+        if cores >= jobs * ranks:
+            raise
+        raise NotYet(f"for {jobs} jobs of {ranks} ranks on {cores} cores it raised "
+                     f"{type(exc).__name__}: {str(exc).strip()[:160]}", _FEWER_CORES) from None
 
 
 def _threads_worker() -> dict:
@@ -170,21 +204,23 @@ def thread_budget(plan) -> str:
     """Exercise: ``plan(cores, jobs, ranks)``, one env per job, no core oversubscribed.
 
     Checked on several machines by the arithmetic (threads x ranks summed over the jobs <=
-    cores, and not most cores idle), then started for real: two 2-rank jobs at once, cold
-    (threads are read at start-up), where ``MKL_NUM_THREADS=1`` is already set around them, as
-    ``make test`` and some cluster modules do; their ranks report the threads torch runs.
+    cores, and no rank with fewer threads than the even split cores // (jobs x ranks) gives it,
+    at least 1: also where there are fewer cores than ranks), then started for real: two 2-rank
+    jobs at once, cold (threads are read at start-up), where ``MKL_NUM_THREADS=1`` is already
+    set around them, as ``make test`` and some cluster modules do; their ranks report the
+    threads torch runs.
 
     Example::
 
         >>> exercise.thread_budget(my_thread_envs)
-        [pass] thread budgets for two jobs: 6 machines; two 2-rank jobs started for 8 cores ...
+        [pass] thread budgets for two jobs: 7 machines; two 2-rank jobs started for 8 cores ...
     """
     from .. import resources
     from ..launcher import LaunchError
 
     for cores, jobs, ranks in [*_MACHINES, _RUN]:
-        _oversubscribed(_threads_of(plan(cores, jobs, ranks), cores, jobs, ranks), cores, jobs,
-                        ranks)
+        _oversubscribed(_threads_of(_planned(plan, cores, jobs, ranks), cores, jobs, ranks),
+                        cores, jobs, ranks)
     cores, jobs, ranks = _RUN
     envs = plan(cores, jobs, ranks)
     planned = _threads_of(envs, cores, jobs, ranks)
@@ -216,25 +252,66 @@ def thread_budget(plan) -> str:
 _KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
-def _task_env(nodelist: str, nodes: list[str], per_node: int, task: int, job_id: int) -> dict:
-    """The Slurm variables of task ``task`` of a job of ``per_node`` tasks on each node."""
-    node = task // per_node
-    return {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_JOB_NUM_NODES": str(len(nodes)), "SLURM_NNODES": str(len(nodes)),
-            "SLURM_NTASKS": str(len(nodes) * per_node), "SLURM_NTASKS_PER_NODE": str(per_node),
-            "SLURM_NODEID": str(node), "SLURM_PROCID": str(task),
-            "SLURM_LOCALID": str(task % per_node), "SLURMD_NODENAME": nodes[node]}
+def _task_env(nodelist: str, nodes: list[str], counts: list[int], task: int, job_id: int) -> dict:
+    """The Slurm variables of task ``task`` of a job with ``counts[i]`` tasks on node ``i``.
+
+    Tasks are numbered node by node (Slurm's default block distribution). Slurm sets
+    ``SLURM_NTASKS_PER_NODE`` only when the job asked for ``--ntasks-per-node``: a job of
+    ``--ntasks=6`` on 3 nodes may hold 3, 1 and 2, and then it is not there.
+    """
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    node = max(i for i, first in enumerate(starts) if first <= task)
+    ntasks = str(sum(counts))
+    per_node = (f"{counts[0]}(x{len(counts)})" if len(set(counts)) == 1 else
+                ",".join(map(str, counts)))
+    env = {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NODELIST": nodelist,
+           "SLURM_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": str(len(nodes)),
+           "SLURM_NNODES": str(len(nodes)), "SLURM_NTASKS": ntasks, "SLURM_NPROCS": ntasks,
+           "SLURM_TASKS_PER_NODE": per_node, "SLURM_NODEID": str(node),
+           "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task - starts[node]),
+           "SLURMD_NODENAME": nodes[node]}
+    if len(set(counts)) == 1:
+        env["SLURM_NTASKS_PER_NODE"] = str(counts[0])
+    return env
 
 
-_JOBS = [("node[07-08]", ["node07", "node08"], 2, 4242),
-         ("gpu-a1,gpu-b2,gpu-c3", ["gpu-a1", "gpu-b2", "gpu-c3"], 1, 977),
-         ("dgx[012-013]", ["dgx012", "dgx013"], 4, 31337)]
+# (SLURM_JOB_NODELIST, its hosts, tasks on each, job id). The last is uneven, and its node list
+# starts with a comma inside the brackets: what a hand-made parser of node[07-08] misreads.
+_JOBS = [("node[07-08]", ["node07", "node08"], [2, 2], 4242),
+         ("gpu-a1,gpu-b2,gpu-c3", ["gpu-a1", "gpu-b2", "gpu-c3"], [1, 1, 1], 977),
+         ("dgx[012-013]", ["dgx012", "dgx013"], [4, 4], 31337),
+         ("cn[9,11-12]", ["cn9", "cn11", "cn12"], [3, 1, 2], 60061)]
 
 
-def _check_job(fn, nodelist, nodes, per_node, job_id) -> None:
-    tasks = [_task_env(nodelist, nodes, per_node, t, job_id) for t in range(len(nodes) * per_node)]
-    envs = [fn(dict(t)) for t in tasks]
-    job = f"a job of {len(nodes)} nodes x {per_node} tasks ({nodelist})"
+def _job_name(nodelist: str, counts: list[int]) -> str:
+    if len(set(counts)) == 1:
+        return f"a job of {len(counts)} nodes x {counts[0]} tasks ({nodelist})"
+    return (f"a job of {len(counts)} nodes with {', '.join(map(str, counts[:-1]))} and "
+            f"{counts[-1]} tasks ({nodelist})")
+
+
+def _check_job(fn, nodelist, nodes, counts, job_id) -> None:
+    tasks = [_task_env(nodelist, nodes, counts, t, job_id) for t in range(sum(counts))]
+    job = _job_name(nodelist, counts)
+    envs = []
+    for task in tasks:
+        try:
+            envs.append(fn(dict(task)))
+        except KeyError as missing:  # a variable this layout does not set
+            name = missing.args[0] if missing.args else ""
+            if not (isinstance(name, str) and name.startswith("SLURM")):
+                raise
+            if name != "SLURM_NTASKS_PER_NODE":
+                raise NotYet(f"task {task['SLURM_PROCID']} of {job}: it read {name}, which the "
+                             f"check's tasks do not set",
+                             f"build the five from what they hold (srun sets these and more): "
+                             f"{', '.join(sorted(task))}") from None
+            raise NotYet(f"task {task['SLURM_PROCID']} of {job}: it read {name}, which this "
+                         f"job does not set", "Slurm sets SLURM_NTASKS_PER_NODE only when the "
+                         "job asks for --ntasks-per-node; with --ntasks alone the nodes may "
+                         "hold different numbers of tasks. SLURM_PROCID, SLURM_LOCALID and "
+                         "SLURM_NTASKS hold the rank, the local rank and the world size "
+                         "whatever the layout") from None
     for task, env in zip(tasks, envs, strict=True):
         if not isinstance(env, dict) or any(k not in env for k in _KEYS):
             missing = [k for k in _KEYS if not isinstance(env, dict) or k not in env]
@@ -258,7 +335,8 @@ def _check_job(fn, nodelist, nodes, per_node, job_id) -> None:
                      "LOCAL_RANK is the task's number on its own node, SLURM_LOCALID (it picks "
                      "the GPU: cuda:LOCAL_RANK)")
     if got["WORLD_SIZE"] != want["WORLD_SIZE"]:
-        raise NotYet(f"{job}: WORLD_SIZE {got['WORLD_SIZE'][0]}, expected {len(tasks)}",
+        raise NotYet(f"{job}: WORLD_SIZE {', '.join(sorted(set(got['WORLD_SIZE'])))}, "
+                     f"expected {len(tasks)}",
                      "WORLD_SIZE counts every task of the job, on every node: SLURM_NTASKS")
     if got["MASTER_ADDR"] != want["MASTER_ADDR"]:
         if got["MASTER_ADDR"] == [t["SLURMD_NODENAME"] for t in tasks]:
@@ -267,6 +345,10 @@ def _check_job(fn, nodelist, nodes, per_node, job_id) -> None:
         elif nodelist in got["MASTER_ADDR"]:
             hint = ("SLURM_JOB_NODELIST is compressed (node[07-08] is node07 and node08): "
                     "slurm.first_node(...) gives its first host")
+        elif any("[" in a or "," in a for a in got["MASTER_ADDR"]):
+            hint = ("that is not one host: a node list can hold several ranges, with commas "
+                    "inside the brackets too (cn[9,11-12] is cn9, cn11 and cn12): "
+                    "slurm.first_node(SLURM_JOB_NODELIST) expands it")
         else:
             hint = "MASTER_ADDR is the job's first node: slurm.first_node(SLURM_JOB_NODELIST)"
         raise NotYet(f"{job}: MASTER_ADDR {sorted(set(got['MASTER_ADDR']))}, expected "
@@ -291,7 +373,7 @@ def _rendezvous_worker(fn, port: int) -> dict:
 
     import torch.distributed as dist
 
-    task = _task_env("localhost", ["localhost"], dist.get_world_size(), dist.get_rank(), 555)
+    task = _task_env("localhost", ["localhost"], [dist.get_world_size()], dist.get_rank(), 555)
     env = fn(task)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     # What init_process_group("...", init_method="env://") does first: rank 0 hosts a store
@@ -309,14 +391,15 @@ def _rendezvous_worker(fn, port: int) -> dict:
 def slurm_rank_env(fn) -> str:
     """Exercise: ``fn(slurm_env)``, the five variables ``env://`` reads, for one Slurm task.
 
-    Checked on every task of three jobs (several nodes, compressed node lists), then on two
+    Checked on every task of four jobs (several nodes, compressed node lists, one with another
+    number of tasks on each node, where SLURM_NTASKS_PER_NODE is not set), then on two
     real ranks, each playing one task of a one-node job, that meet through a TCPStore hosted
     by the rank fn calls 0, at the address it gives.
 
     Example::
 
         >>> exercise.slurm_rank_env(my_rank_env)
-        [pass] torch's ranks from Slurm's: 3 jobs, 15 tasks; 2 ranks met at localhost
+        [pass] torch's ranks from Slurm's: 4 jobs, 21 tasks; 2 ranks met at localhost
     """
     for job in _JOBS:
         _check_job(fn, *job)
@@ -325,7 +408,7 @@ def slurm_rank_env(fn) -> str:
                                                         for m in met):
         raise NotYet(f"the two ranks saw {[m['seen'] for m in met]}",
                      "each task must publish its own RANK and LOCAL_RANK")
-    tasks = sum(len(nodes) * per_node for _, nodes, per_node, _ in _JOBS)
+    tasks = sum(sum(counts) for _, _, counts, _ in _JOBS)
     return f"{len(_JOBS)} jobs, {tasks} tasks; 2 ranks met at localhost"
 
 
