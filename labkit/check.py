@@ -382,12 +382,62 @@ def on_ranks(worker, *args, nproc: int = 2, timeout: float = 60.0, warm: bool = 
                      "rank skips (or calls once more) leaves the others waiting",
                      stuck=list(hang.stuck)) from None
     except LaunchError as failed:
-        text = failed.full_message or str(failed)
+        rank, text = _most_informative(_failures(failed))
         if "NotImplementedError" in text and PLACEHOLDER in text:
             raise NotYet("not written yet (it still raises NotImplementedError)",
                          "replace the `raise NotImplementedError(...)` line with your "
                          "code") from None
-        raise _rank_failure(failed.rank, text, _code_of(worker)) from None
+        raise _rank_failure(rank, text, _code_of(worker)) from None
+
+
+# What a rank's error says when a peer it was exchanging with ended first: the connection to
+# it closed. True, but a consequence: the peer's own failure is what the learner must see.
+_SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "[Errno 32]", "[Errno 104]")
+# libstdc++'s last words when a C++ exception escapes (gloo's checks on a background thread):
+# the process aborts without a Python error, its output keeps the reason.
+_ABORTED = "terminate called after throwing"
+
+
+def _secondary(text: str) -> bool:
+    """Whether a failure's text is a lost connection: its first line, not what it quotes after
+    (a death's text ends with the connection errors of the peers that followed it)."""
+    first = (text.strip().splitlines() or [""])[0]
+    return any(sign in first for sign in _SECONDARY)
+
+
+def _failures(failed) -> list[tuple[int | None, str]]:
+    """``(rank, text)`` of each failure a LaunchError holds, in the launcher's order.
+
+    The launcher names the root cause first (a rank that died before the peers that lost it),
+    with the whole text of the first rank that raised in ``full_message``: that is a second
+    failure when the first was a death, whose own text is the message. A rank that aborted
+    unnoticed (its death not yet recorded when the run stopped) still left its last words in
+    its output.
+    """
+    full, said = failed.full_message, str(failed)
+    raised = _rank_in(full) if full else None
+    if full and raised == failed.rank:
+        found = [(failed.rank, full)]  # the whole text: the message shortens it
+    else:
+        found = [(failed.rank, said)] + ([(raised, full)] if full else [])
+    for rank, lines in sorted((failed.logs or {}).items(), key=lambda kv: str(kv[0])):
+        tail = [str(line) for line in lines[-5:]]
+        if rank not in (r for r, _ in found) and any(_ABORTED in line for line in tail):
+            found.append((rank, f"rank {rank} aborted in native code; its last output lines:\n"
+                                + "\n".join(tail)))
+    return found
+
+
+def _rank_in(text: str) -> int | None:
+    m = re.match(r"rank (\d+) failed with ", text)
+    return int(m[1]) if m else None
+
+
+def _most_informative(failures: list[tuple[int | None, str]]) -> tuple[int | None, str]:
+    """The failure to show: the first that is not a peer's lost connection (which only says
+    that another rank failed first), else the first."""
+    return next((f for f in failures if not _secondary(f[1])), failures[0])
 
 
 def _rank_failure(rank, text: str, checker=frozenset()) -> NotYet:
@@ -395,6 +445,14 @@ def _rank_failure(rank, text: str, checker=frozenset()) -> NotYet:
     who = f"rank {rank}" if rank is not None else "a rank"
     head, _, tb = text.partition(f"--- {who} traceback ---\n")
     said = (head.strip().splitlines() or [""])[0][:300].removeprefix(f"{who} failed with ")
+    if _secondary(text):
+        # Nothing better was found: say that the cause is elsewhere, not on the line shown.
+        return NotYet(f"{who} lost its connection to a peer: {said}\n"
+                      f"{learner_traceback(tb, checker) if tb else ''}".rstrip(),
+                      "that error is a consequence: a rank this one was exchanging with ended "
+                      "first (it crashed, was killed, or left the exchange early). Every rank "
+                      "must make the same calls with messages of the sizes its peers expect",
+                      traceback=text)
     if not tb or not _has_learner_frame(tb, checker):
         # A traceback without the learner's frames is the grading worker failing (or a rank
         # that died): the text says what happened, there is no line of theirs to fix.
@@ -403,7 +461,8 @@ def _rank_failure(rank, text: str, checker=frozenset()) -> NotYet:
                           "this is the check failing on what your code gave it: give back "
                           "what the task asks for (its type, and for a tensor its dtype and "
                           "shape)", traceback=text)
-        return NotYet(f"{who} failed: {text.strip()}",
+        text = text.strip()
+        return NotYet(text if text.startswith(f"{who} ") else f"{who} failed: {text}",
                       "a rank that ends without a Python error was killed (out of memory?) or "
                       "crashed in native code: the text above says which", traceback=text)
     return NotYet(f"{who} raised {said}\n"

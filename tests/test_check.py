@@ -227,6 +227,84 @@ def test_on_ranks_names_a_hang(tmp_path, monkeypatch):
     assert "in _hangs_on_rank_0" in hang.value.detail
 
 
+# A ring exercise's wrong chunk sizes, as gloo fails on 4 ranks: the rank that receives a
+# message larger than its buffer aborts in native code, and its peers' reads then fail with
+# "connection reset" or "connection closed". Which of them the run reports first is a race.
+_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+          "[127.0.0.1]:9094: Connection reset by peer. This is typically caused by a remote "
+          "worker hanging or bugs in the application.")
+_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+           "peer [127.0.0.1]:20891. This is typically caused by a remote worker crashing.")
+_ABORT_LINES = [
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
+    "  what():  [enforce fail at pair.cc:464] op.preamble.length <= op.nbytes. 4 vs 0. "
+    "Received data size doesn't match expected size."]
+
+
+def _peer_error(rank: int, message: str) -> str:
+    return (f"rank {rank} failed with RuntimeError: {message}\n\n"
+            f"--- rank {rank} traceback ---\nTraceback (most recent call last):\n"
+            f'  File "/tmp/ipykernel_1/7.py", line 4, in my_ring\n    work.wait()\n'
+            f"RuntimeError: {message}")
+
+
+def _fails_with(monkeypatch, error):
+    from labkit import launcher
+
+    def launch(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    with pytest.raises(check.NotYet) as wrong:
+        check.on_ranks(_double_on_ranks, None, nproc=4)
+    return wrong.value
+
+
+@pytest.mark.parametrize("peer", [_RESET, _CLOSED])
+def test_on_ranks_shows_the_rank_that_died_not_the_peer_that_lost_it(monkeypatch, peer):
+    from labkit.launcher import LaunchError
+
+    death = ("rank 1 was killed by SIGABRT (signal 6): native code aborted\n\n"
+             "--- rank 1 last output lines ---\n" + "\n".join(_ABORT_LINES) +
+             f"\n\nThen rank 2 failed with RuntimeError: {peer}")
+    wrong = _fails_with(monkeypatch, LaunchError(death, rank=1, full_message=_peer_error(2, peer),
+                                                 logs={1: _ABORT_LINES, 2: []}))
+    assert wrong.detail.startswith("rank 1 was killed by SIGABRT")
+    assert "size doesn't match" in wrong.detail and "crashed in native code" in wrong.hint
+
+
+@pytest.mark.parametrize("peer", [_RESET, _CLOSED])
+def test_on_ranks_finds_an_unrecorded_abort_behind_a_lost_connection(monkeypatch, peer):
+    from labkit.launcher import LaunchError
+
+    # The run stopped on rank 3's error before rank 1's death was recorded: its output has it.
+    raised = _peer_error(3, peer)
+    wrong = _fails_with(monkeypatch, LaunchError(raised, rank=3, full_message=raised,
+                                                 logs={0: ["step 1"], 1: _ABORT_LINES, 3: []}))
+    assert wrong.detail.startswith("rank 1 aborted in native code")
+    assert "size doesn't match" in wrong.detail and "Connection" not in wrong.detail
+
+
+def test_on_ranks_says_a_lost_connection_is_a_consequence(monkeypatch):
+    from labkit.launcher import LaunchError
+
+    raised = _peer_error(2, _CLOSED)
+    wrong = _fails_with(monkeypatch, LaunchError(raised, rank=2, full_message=raised, logs={}))
+    assert wrong.detail.startswith("rank 2 lost its connection to a peer")
+    assert "Connection closed by peer" in wrong.detail and "in my_ring" in wrong.detail
+    assert wrong.hint.startswith("that error is a consequence")
+
+
+def test_on_ranks_keeps_a_rank_that_raised_before_its_peers_lost_it(monkeypatch):
+    from labkit.launcher import LaunchError
+
+    raised = _peer_error(0, "shape mismatch in my code")
+    wrong = _fails_with(monkeypatch, LaunchError(raised, rank=0, full_message=raised,
+                                                 logs={1: ["fine"]}))
+    assert wrong.detail.startswith("rank 0 raised RuntimeError: shape mismatch in my code")
+    assert "the traceback above is your code's" in wrong.hint
+
+
 def test_in_band_measures_again_once_when_it_misses(capsys, judged):
     again = iter([0.5])
     assert check.in_band("speedup", 0.1, 0.3, cause="busy", retry=lambda: next(again))

@@ -94,7 +94,8 @@ def _on_ranks(worker, fn, world: int, cases, index_hint: str) -> list:
         if wrong.stuck:  # a hang
             hint = _DEADLOCK
         elif any(sign in wrong.detail for sign in ("size doesn't match", "SIGABRT",
-                                                   "Connection reset", "native code")):
+                                                   "Connection reset", "Connection closed",
+                                                   "native code")):
             # What gloo does when a message is larger than its receive buffer: abort the rank.
             hint = ("a chunk arrived into a buffer of another size or dtype (gloo aborted): "
                     "the chunk rank r + 1 receives into at a step must be the one rank r sends, "
@@ -390,7 +391,8 @@ def _hd_on_ranks(fn, world: int) -> list:
                     "(dist.isend and dist.irecv, then wait() on both), and make sure both "
                     "partners take the same number of steps")
         elif any(sign in wrong.detail for sign in ("size doesn't match", "SIGABRT",
-                                                   "Connection reset", "native code")):
+                                                   "Connection reset", "Connection closed",
+                                                   "native code")):
             # what gloo does when a message is larger than its receive buffer: abort the rank
             hint = ("a message arrived into a buffer of another size or dtype (gloo aborted a "
                     "rank): " + _HD_BUFFER)
