@@ -188,7 +188,7 @@ def test_thread_budget_wrong_only_omp_where_mkl_is_set():
     # The arithmetic is right, but MKL_NUM_THREADS=1 around the jobs wins: the started ranks
     # run 1 thread (on a machine with one hardware thread, torch's cap hides it).
     def plan(cores, jobs, ranks):
-        return [{"OMP_NUM_THREADS": str(cores // (jobs * ranks))}] * jobs
+        return [{"OMP_NUM_THREADS": str(max(1, cores // (jobs * ranks)))}] * jobs
 
     verdict = exercise.thread_budget(plan)
     if verdict:
