@@ -1,7 +1,7 @@
 """Notebook 03's graders: the reference solutions pass, known wrong answers get the right hint.
 
-The schedule and the tensor-parallel graders run on 2 warm gloo ranks (one pool for the whole
-file: each grading run after the first takes milliseconds).
+The schedule and the tensor-parallel graders run on 2 and 4 warm gloo ranks (one pool per rank
+count for the whole file: each grading run after the first takes milliseconds).
 """
 
 from __future__ import annotations
@@ -24,46 +24,78 @@ def _solution(name: str):
 
 
 # ---- pipeline_1f1b_schedule -------------------------------------------------------------------
+# Judged by what the order does in the simulator; each wrong answer below is tried alone on 2 and
+# on 4 stages (``cases``), without the run on ranks (``runs=()``) that only a valid order reaches.
+
+TWO_AND_FOUR = [(2, 4), (4, 8)]  # m > p on 2 and on 4 stages
+
+
+def _judged(fn, stages, m):
+    return mp.pipeline_1f1b_schedule(fn, cases=((stages, m),), runs=())
+
+
+def _warmup(extra, cap=True):
+    """1F1B whose warm-up is p - s - 1 + ``extra`` forwards (capped by m unless ``cap`` is off)."""
+    def schedule(stages, m):
+        out = []
+        for s in range(stages):
+            warmup = max(stages - s - 1 + extra, 0)
+            warmup = min(warmup, m) if cap else warmup
+            actions = [("F", i) for i in range(warmup)]
+            for i in range(m - warmup):
+                actions += [("F", warmup + i), ("B", i)]
+            out.append(actions + [("B", i) for i in range(max(m - warmup, 0), m)])
+        return out
+    return schedule
+
+
+def _reversed_micro_batches(stages, m):
+    """Valid, written differently: 1F1B taking the micro-batches last first, on every stage."""
+    return [[(kind, m - 1 - i) for kind, i in actions]
+            for actions in pipeline.one_f_one_b_schedule(stages, m)]
+
 
 def test_pipeline_1f1b_schedule_solution_passes_and_runs_on_ranks():
     verdict = mp.pipeline_1f1b_schedule(_solution("pipeline_1f1b_schedule")["my_1f1b"])
     assert verdict, verdict
-    assert "held [2, 1] micro-batches" in verdict.detail
+    assert "the order of torch's Schedule1F1B for 9 (stages, m) pairs" in verdict.detail
+    assert "on 2 ranks (m=4) its stages held [2, 1] micro-batches" in verdict.detail
+    assert "on 4 ranks (m=6) its stages held [4, 3, 2, 1] micro-batches" in verdict.detail
 
 
-def test_pipeline_1f1b_schedule_wrong_gpipe():
-    verdict = mp.pipeline_1f1b_schedule(pipeline.gpipe_schedule)
-    assert not verdict and "that is GPipe" in verdict.hint
+def test_pipeline_1f1b_schedule_another_valid_order_passes_and_runs_on_ranks():
+    verdict = mp.pipeline_1f1b_schedule(_reversed_micro_batches)
+    assert verdict, verdict
+    assert "a valid order (8 of them other than torch's Schedule1F1B)" in verdict.detail
+    assert "held [4, 3, 2, 1] micro-batches" in verdict.detail
 
 
-def test_pipeline_1f1b_schedule_wrong_warmup_count():
-    def one_forward_too_many(stages, m):
-        schedule = []
-        for s in range(stages):
-            warmup = min(stages - s, m)  # p - s, one more than 1F1B's p - s - 1
-            actions = [("F", i) for i in range(warmup)]
-            for i in range(m - warmup):
-                actions += [("F", warmup + i), ("B", i)]
-            schedule.append(actions + [("B", i) for i in range(m - warmup, m)])
-        return schedule
+@pytest.mark.parametrize("stages, m", TWO_AND_FOUR + [(4, 2)])
+def test_pipeline_1f1b_schedule_wrong_gpipe_has_the_bubble_but_holds_m(stages, m):
+    verdict = _judged(pipeline.gpipe_schedule, stages, m)
+    assert not verdict and f"bubble {stages - 1}/{m}" in verdict.detail
+    assert f"stage {stages - 1} holds {m} micro-batches' activations at once, 1F1B 1" in \
+        verdict.detail
+    assert "that is GPipe" in verdict.hint
 
-    verdict = mp.pipeline_1f1b_schedule(one_forward_too_many)
-    assert not verdict and "warm-up count wrong: stage s should do p-s-1 forwards first" in \
-        verdict.hint
+
+@pytest.mark.parametrize("stages, m", TWO_AND_FOUR)
+def test_pipeline_1f1b_schedule_wrong_warmup_one_too_many(stages, m):
+    verdict = _judged(_warmup(+1), stages, m)
+    assert not verdict and "holds" in verdict.detail and "as it should be" in verdict.detail
+    assert "warm-up too long" in verdict.hint
+
+
+@pytest.mark.parametrize("stages, m", TWO_AND_FOUR)
+def test_pipeline_1f1b_schedule_wrong_warmup_one_too_few(stages, m):
+    verdict = _judged(_warmup(-1), stages, m)
+    assert not verdict and "simulated bubble is" in verdict.detail
+    assert f"(p-1)/m = {stages - 1}/{m}" in verdict.detail
+    assert "warm-up too short" in verdict.hint
 
 
 def test_pipeline_1f1b_schedule_wrong_warmup_not_capped_by_m():
-    def uncapped(stages, m):
-        schedule = []
-        for s in range(stages):
-            warmup = stages - s - 1  # without min(..., m): more forwards than micro-batches
-            actions = [("F", i) for i in range(warmup)]
-            for i in range(m - warmup):
-                actions += [("F", warmup + i), ("B", i)]
-            schedule.append(actions + [("B", i) for i in range(max(m - warmup, 0), m)])
-        return schedule
-
-    verdict = mp.pipeline_1f1b_schedule(uncapped)
+    verdict = _judged(_warmup(0, cap=False), 4, 2)
     assert not verdict and "min(p-s-1, m)" in verdict.hint and "m=2" in verdict.hint
 
 
@@ -79,12 +111,25 @@ def test_pipeline_1f1b_schedule_wrong_backwards_newest_first():
     assert not verdict and "oldest first" in verdict.hint
 
 
-def test_pipeline_1f1b_schedule_wrong_deadlock():
+@pytest.mark.parametrize("stages, m", TWO_AND_FOUR)
+def test_pipeline_1f1b_schedule_wrong_deadlock(stages, m):
     def later_stages_warm_up_more(stages, m):  # stage s warms up with s forwards: a deadlock
         return pipeline.one_f_one_b_schedule(stages, m)[::-1]
 
-    verdict = mp.pipeline_1f1b_schedule(later_stages_warm_up_more)
+    verdict = _judged(later_stages_warm_up_more, stages, m)
     assert not verdict and "deadlocks" in verdict.detail and "p-s-1" in verdict.hint
+
+
+@pytest.mark.parametrize("stages, m", TWO_AND_FOUR)
+def test_pipeline_1f1b_schedule_wrong_neighbours_in_another_order(stages, m):
+    def last_stage_swaps(stages, m):  # the last stage takes micro-batches 1 and 0 the other way
+        out = pipeline.one_f_one_b_schedule(stages, m)
+        out[-1] = [(k, {0: 1, 1: 0}.get(i, i)) for k, i in out[-1]]
+        return out
+
+    verdict = _judged(last_stage_swaps, stages, m)
+    assert not verdict and "messages are matched in order" in verdict.detail
+    assert "one micro-batch order on every stage" in verdict.hint
 
 
 def test_pipeline_1f1b_schedule_wrong_shape():
@@ -173,6 +218,19 @@ def _async_sum(ctx, t):
     out = t.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, async_op=True).wait()
     return out
+
+
+def _sum_in_float64(ctx, t):
+    """The right sum, but all-reduced as a float64 copy: twice the tensor's bytes on the wire."""
+    out = t.double()
+    dist.all_reduce(out)
+    return out.to(t.dtype)
+
+
+def test_tp_f_and_g_wrong_route_converted_copy_carries_twice_the_bytes():
+    verdict = mp.tp_f_and_g(*_functions(_identity, _all_reduce, _sum_in_float64, _identity))
+    assert not verdict and "the forward all-reduce carried [256] bytes; the output is [128]" in \
+        verdict.detail and "in its own dtype" in verdict.hint
 
 
 def test_tp_f_and_g_written_another_way_passes_on_2_and_4_ranks():

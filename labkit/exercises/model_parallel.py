@@ -1,9 +1,12 @@
 """Notebook 03's exercises: the 1F1B schedule as data, Megatron's f and g, ZeRO's bytes per rank.
 
 Each grader runs the learner's answer and returns what it verified, or raises
-:class:`labkit.check.NotYet` with what is wrong and a hint. The schedule and the tensor-parallel
-collectives also run on two real gloo ranks (:func:`labkit.check.on_ranks`), through the same
-pipeline runner and against the same dense layers the notebook uses.
+:class:`labkit.check.NotYet` with what is wrong and a hint. The schedule is judged by what it
+does in the simulator of :mod:`labkit.parallel.schedules` (no deadlock, neighbours' messages in
+the same order, 1F1B's bubble, no more activations held than 1F1B), so another valid order
+passes; then it and the tensor-parallel collectives run on 2 and 4 real gloo ranks
+(:func:`labkit.check.on_ranks`), through the same pipeline runner and against the same dense
+layers the notebook uses.
 """
 
 from __future__ import annotations
@@ -12,8 +15,19 @@ from ..check import NotYet, exercise, on_ranks
 
 NOTEBOOK = "03"
 
-# (stages, m) pairs the schedule is tried on: m > p, m = 1, m < p, and more stages than 2.
-_SCHEDULE_CASES = [(2, 4), (2, 1), (2, 3), (3, 4), (4, 8), (4, 2)]
+# (stages, m) pairs the schedule is judged on: m below, equal to and above p (m = 1 too), on 2, 3
+# and 4 stages.
+_SCHEDULE_CASES = ((2, 4), (2, 2), (2, 1), (2, 3), (3, 4), (4, 8), (4, 4), (4, 2), (4, 3))
+# (ranks, m) the order is then played on for real, by the runner of section 2
+_SCHEDULE_RUNS = ((2, 4), (4, 6))
+
+_DEADLOCK = ("a stage waits for a backward that needs a forward it has not run yet: stage s "
+             "must run at least as many forwards before its first backward as stage s + 1 "
+             "(the gradient of its oldest micro-batch comes back only after every later stage "
+             "has run that micro-batch's forward; 1F1B warms up with p-s-1 forwards)")
+_ORDER = ("messages carry no micro-batch number: a stage's n-th receive from a neighbour is that "
+          "neighbour's n-th send. Keep one micro-batch order on every stage, for the forwards "
+          "and for the backwards alike")
 
 
 def _fmt(actions) -> str:
@@ -45,33 +59,109 @@ def parse_schedule(got, call: str, rows: int, per: str, example: str, *,
     return out
 
 
-def _schedule_mistake(stage: int, stages: int, m: int, got, want) -> NotYet:
-    """Why stage ``stage`` of a valid schedule is not 1F1B: the usual mistakes, named."""
+def _relabelled(schedule, m: int):
+    """``schedule`` with its micro-batches renumbered in the order stage 0 runs their forwards.
+
+    The numbers are only names: running the micro-batches in another order, the same on every
+    stage, is as good as 1F1B's. Renumbered, such an order compares with 1F1B's step by step,
+    so that a mistake in it is named as it would be in 1F1B's numbering.
+    """
+    order = [i for kind, i in schedule[0] if kind == "F"]
+    if sorted(order) != list(range(m)):
+        return schedule
+    new = {i: k for k, i in enumerate(order)}
+    return [[(kind, new.get(i, i)) for kind, i in actions] for actions in schedule]
+
+
+def _schedule_mistake(stage: int, stages: int, m: int, got, want) -> NotYet | None:
+    """Why stage ``stage`` of a runnable schedule is not 1F1B: the usual mistakes, named."""
+    if got == want:
+        return None
     lead = next((k for k, (kind, _) in enumerate(got) if kind == "B"), len(got))
     expected = min(stages - stage, m)  # p-s-1 warm-up forwards, then the first steady forward
     where = f"(stages={stages}, m={m}) stage {stage} runs {_fmt(got)}; 1F1B runs {_fmt(want)}"
-    if m > expected and lead == m:
-        return NotYet(where, f"stage {stage} does all its forwards first: that is GPipe. 1F1B "
-                             f"starts the backward of its oldest micro-batch as soon as "
-                             f"{expected} are in flight, then alternates one F, one B")
-    if lead != expected:
-        return NotYet(where, f"warm-up count wrong: stage s should do p-s-1 forwards first "
-                             f"(here {stages}-{stage}-1 = {stages - stage - 1}, at most m), then "
-                             f"one more forward before its first backward")
+    if lead == m and m > expected:
+        return NotYet(where, f"stage {stage} runs all its forwards first: that is GPipe, the same "
+                             f"bubble but the activations of all m micro-batches held at once. "
+                             f"1F1B starts the backward of its oldest micro-batch as soon as it "
+                             f"holds {expected}, then alternates one F, one B")
+    if lead > expected:
+        return NotYet(where, f"warm-up too long: stage {stage} runs {lead} forwards before its "
+                             f"first backward, {lead - expected} more than it needs to keep the "
+                             f"later stages busy; each one holds a micro-batch's activations "
+                             f"until its backward (stage s of p: p-s-1 warm-up forwards, at most "
+                             f"m, then the first forward of the steady state)")
+    if lead < expected:
+        return NotYet(where, f"warm-up too short: stage {stage} starts its first backward after "
+                             f"{lead} forward(s), before the gradient can be back, and waits for "
+                             f"it. A micro-batch's gradient returns to stage s only after its "
+                             f"forward has gone through every later stage: stage s of p needs "
+                             f"p-s-1 warm-up forwards (at most m), then one more forward")
     return NotYet(where, "after the warm-up, alternate: the next forward, then the backward of the "
                          "oldest micro-batch still held; end with the backwards still owed")
 
 
 def _invalid_hint(schedule, stages: int, m: int) -> str:
     """A hint for a schedule that check_schedule refused (its message says what is wrong)."""
+    forwards = [[i for kind, i in actions if kind == "F"] for actions in schedule]
     backwards = [[i for kind, i in actions if kind == "B"] for actions in schedule]
-    if any(order != sorted(order) for order in backwards):
-        return ("the backwards go oldest first (B0, B1, ...): each one frees the oldest "
-                "micro-batch's activations, and the next stage sends the gradients in that order")
-    if m < stages:
+    if any(max((i for _, i in actions), default=0) >= m for actions in schedule) and m < stages:
         return (f"with fewer micro-batches than stages (m={m}) the warm-up is min(p-s-1, m) "
                 f"forwards")
+    if all(sorted(f) == list(range(m)) and sorted(b) == list(range(m))
+           for f, b in zip(forwards, backwards, strict=True)):
+        if any(f != b for f, b in zip(forwards, backwards, strict=True)):
+            return ("the backwards go oldest first, in the order of the forwards (B0, B1, ...): "
+                    "each one frees the oldest micro-batch's activations, and the last stage "
+                    "runs each backward right after its forward")
+        return _ORDER
     return "each stage runs ('F', i) and ('B', i) exactly once for i in range(m), B i after F i"
+
+
+def _judge_schedule(got, stages: int, m: int) -> bool:
+    """NotYet unless ``got`` runs with 1F1B's bubble and holds no more than 1F1B; whether it is
+    1F1B's own order (another numbering of the micro-batches passes too)."""
+    from fractions import Fraction
+
+    from ..parallel import pipeline, schedules
+
+    where = f"(stages={stages}, m={m})"
+    want = pipeline.one_f_one_b_schedule(stages, m)
+    try:  # every F and B once, B after F, neighbours in the same order
+        pipeline.check_schedule(got, m)
+    except ValueError as err:
+        raise NotYet(f"{where}: {err}", _invalid_hint(got, stages, m)) from None
+    try:  # the stages must also fit together without waiting on each other forever
+        pipeline.simulate(got)
+    except ValueError as err:
+        raise NotYet(f"{where}: {err}", _DEADLOCK) from None
+
+    def named(detail: str, stage: int | None, fallback: str) -> NotYet:
+        mine = _relabelled(got, m)
+        rows = [stage] if stage is not None else range(stages)
+        mistake = next((e for s in rows
+                        if (e := _schedule_mistake(s, stages, m, mine[s], want[s]))), None)
+        if mistake is None:
+            return NotYet(detail, fallback)
+        return NotYet(f"{detail}; {mistake.detail.split(') ', 1)[1]}", mistake.hint)
+
+    # Equal forward and backward times, free messages: 1F1B's bubble is (p-1)/m of the compute.
+    ideal = Fraction(stages - 1, m)
+    bubble = schedules.simulate_chunked(got, stages, m, f=Fraction(1), b=Fraction(1),
+                                        w=Fraction(0))["idle_per_compute"]
+    if bubble > ideal:
+        raise named(f"{where}: it runs, but its simulated bubble is {bubble} of the compute; "
+                    f"1F1B's (and GPipe's) is (p-1)/m = {ideal}", None,
+                    "a stage waits for work it could have had: keep every stage busy from its "
+                    "first forward to its last backward")
+    held, limit = (schedules.peak_in_flight(x, stages, m) for x in (got, want))
+    worst = max(range(stages), key=lambda s: held[s] - limit[s])
+    if held[worst] > limit[worst]:
+        raise named(f"{where}: bubble {bubble} as it should be, but stage {worst} holds "
+                    f"{held[worst]:g} micro-batches' activations at once, 1F1B {limit[worst]:g}",
+                    worst, "a forward held longer than needed costs memory: run each backward as "
+                           "soon as its gradient can be there")
+    return got == want
 
 
 def _run_schedule(schedule, m: int, seed: int = 0) -> dict:
@@ -86,7 +176,7 @@ def _run_schedule(schedule, m: int, seed: int = 0) -> dict:
 
     from ..parallel import pipeline
 
-    build = pipeline.stage_builder(functools.partial(pipeline.mlp_stack, 16, 2, 8, 4), seed=seed)
+    build = pipeline.stage_builder(functools.partial(pipeline.mlp_stack, 16, 4, 8, 4), seed=seed)
     batch = pipeline.example_batch(4 * m, inputs=8, classes=4, seed=seed)
     out = pipeline.run_pipeline(build, schedule, m, batch)
     ref = pipeline.reference_step(build, dist.get_world_size(), batch)
@@ -95,47 +185,50 @@ def _run_schedule(schedule, m: int, seed: int = 0) -> dict:
 
 
 @exercise("pipeline_1f1b_schedule", notebook=NOTEBOOK, title="the 1F1B schedule as data")
-def pipeline_1f1b_schedule(fn) -> str:
-    """Exercise: ``fn(stages, m)``, one list of ("F", i) / ("B", i) actions per stage, is 1F1B.
+def pipeline_1f1b_schedule(fn, cases=_SCHEDULE_CASES, runs=_SCHEDULE_RUNS) -> str:
+    """Exercise: ``fn(stages, m)``, one list of ("F", i) / ("B", i) actions per stage, runs as
+    1F1B does: its bubble, no more memory.
 
-    Compared with ``labkit.parallel.pipeline.one_f_one_b_schedule`` (torch's Schedule1F1B
-    order) for several (stages, m), then run on 2 gloo ranks by ``pipeline.run_pipeline``.
+    Judged by what the order does, for several (stages, m) (m below, equal to and above the
+    stages): neighbours run their forwards and backwards in the same order
+    (``pipeline.check_schedule``), the stages never wait on each other forever
+    (``pipeline.simulate``), the simulated bubble is (p - 1) / m of the compute
+    (``schedules.simulate_chunked``) and no stage holds more micro-batches at once than
+    ``pipeline.one_f_one_b_schedule`` (torch's Schedule1F1B order; ``schedules.peak_in_flight``).
+    Another valid order passes. Then played on 2 and 4 gloo ranks by ``pipeline.run_pipeline``
+    (``runs``: (ranks, m) pairs).
 
     Example::
 
         >>> exercise.pipeline_1f1b_schedule(my_1f1b)
-        [pass] the 1F1B schedule as data: ... 6 (stages, m) pairs ... held [2, 1] ...
+        [pass] the 1F1B schedule as data: ... bubble (p-1)/m ... held [2, 1] ...
     """
-    from ..parallel import pipeline
+    from ..parallel import schedules
 
-    for stages, m in _SCHEDULE_CASES:
-        got = _as_schedule(fn, stages, m)
-        try:  # every F and B once, B after F, neighbours in the same order
-            pipeline.check_schedule(got, m)
-        except ValueError as err:
-            raise NotYet(f"(stages={stages}, m={m}): {err}",
-                         _invalid_hint(got, stages, m)) from None
-        try:  # the stages must also fit together without waiting on each other forever
-            pipeline.simulate(got)
-        except ValueError as err:
-            raise NotYet(f"(stages={stages}, m={m}): {err}",
-                         "a later stage may not run more forwards before its first backward than "
-                         "an earlier one: stage s warms up with p-s-1 forwards") from None
-        want = pipeline.one_f_one_b_schedule(stages, m)
-        for stage in range(stages):
-            if got[stage] != want[stage]:
-                raise _schedule_mistake(stage, stages, m, got[stage], want[stage])
-    # The list is right; run it for real: the runner must reproduce the unpipelined gradients.
-    m = 4
-    ranks = on_ranks(_run_schedule, _as_schedule(fn, 2, m), m)
-    worst = max(r["grad_diff"] for r in ranks)
-    if worst > 1e-5 or ranks[0]["peak_live"] != [2, 1]:
-        raise NotYet(f"on 2 ranks: gradients off by {worst:.1e}, held {ranks[0]['peak_live']}",
-                     "the schedule matched the reference, so this is the runner: restart the "
-                     "kernel and run the notebook from the top")
-    return (f"the order of torch's Schedule1F1B for {len(_SCHEDULE_CASES)} (stages, m) pairs; "
-            f"run on 2 gloo ranks (m={m}) it gave the unpipelined gradients, and its stages held "
-            f"{ranks[0]['peak_live']} micro-batches at once (GPipe: [{m}, {m}])")
+    same = sum(_judge_schedule(_as_schedule(fn, stages, m), stages, m) for stages, m in cases)
+    # The order is right on paper; play it for real: the runner must reproduce the unpipelined
+    # gradients, and each stage hold what the simulator counted.
+    held = {}
+    for world, m in runs:
+        got = _as_schedule(fn, world, m)
+        ranks = on_ranks(_run_schedule, got, m, nproc=world)
+        worst = max(r["grad_diff"] for r in ranks)
+        want = [int(x) for x in schedules.peak_in_flight(got, world, m)]
+        if worst > 1e-5 or ranks[0]["peak_live"] != want:
+            raise NotYet(f"on {world} ranks (m={m}): gradients off by {worst:.1e}, held "
+                         f"{ranks[0]['peak_live']} (the simulator: {want})",
+                         "the order passed the simulator, so this is the runner: restart the "
+                         "kernel and run the notebook from the top")
+        held[world, m] = ranks[0]["peak_live"]
+    order = ("the order of torch's Schedule1F1B" if same == len(cases) else
+             f"a valid order ({len(cases) - same} of them other than torch's Schedule1F1B)")
+    played = "; ".join(f"on {w} ranks (m={m}) its stages held {held[w, m]} micro-batches at "
+                       f"once (GPipe: {[m] * w})" for w, m in runs)
+    return (f"{order} for {len(cases)} (stages, m) pairs, m below, equal to and above the "
+            f"stages: neighbours in the same order, no deadlock, simulated bubble (p-1)/m "
+            f"exactly, no stage holding more than 1F1B"
+            + (f"; played on gloo ranks it gave the unpipelined gradients: {played}" if runs
+               else ""))
 
 
 # ---- tensor parallelism: Megatron's f and g ---------------------------------------------------
@@ -316,8 +409,9 @@ def _judge_tp(ranks: list[dict], world: int) -> None:
                 what = {"forward": "output", "backward": "input gradient"}[way]
                 raise NotYet(f"on {world} ranks, rank {r}: the {way} all-reduce carried "
                              f"{sent[way]} bytes; the {what} is {sent['want'][way]}",
-                             "all-reduce the tensor itself (g: the partial output, f: the "
-                             "gradient of x), not a padded or concatenated copy")
+                             "all-reduce the tensor itself, in its own dtype and shape (g: the "
+                             "partial output, f: the gradient of x), not a padded, converted or "
+                             "concatenated copy")
 
 
 # ---- ZeRO: bytes per rank ---------------------------------------------------------------------
