@@ -529,7 +529,10 @@ def bucket_sweep(caps_mb, *, model=None, batch: int = 32, steps: int = 10, warmu
     DDP groups gradients into buckets of about ``bucket_cap_mb`` and all-reduces a bucket as
     soon as backward has filled it, overlapping communication with the rest of backward. Small
     buckets pay the per-call latency many times; one huge bucket waits for the whole backward
-    and overlaps nothing. ``model`` is a factory (default :func:`wide_mlp`).
+    and overlaps nothing. ``model`` is a factory (default :func:`wide_mlp`). A gradient
+    bigger than the cap gets a bucket of its own, so every cap below a layer's size gives one
+    call per layer; a cap you give applies to DDP's first bucket too (left at its default, the
+    first bucket is 1 MiB).
 
     Every rank returns the same rows: ``bucket_cap_mb, allreduces`` (calls per step, the
     bucket count), ``MB_per_step, step_s`` (DDP as it is), ``ranks``. With ``overlap=True``
@@ -541,9 +544,9 @@ def bucket_sweep(caps_mb, *, model=None, batch: int = 32, steps: int = 10, warmu
 
     Example::
 
-        >>> rows = labkit.launch(bucket_sweep, [1, 25, 1000], nproc=2).values[0]
-        >>> [r["allreduces"] for r in rows]
-        [13.0, 2.0, 1.0]
+        >>> rows = labkit.launch(bucket_sweep, [0.25, 1, 2, 4, 25, 100], nproc=2).values[0]
+        >>> [r["allreduces"] for r in rows]      # wide_mlp: twelve layers of about 1 MB each
+        [12.0, 12.0, 6.0, 3.0, 1.0, 1.0]
         >>> labkit.launch(bucket_sweep, [1, 25], overlap=True, repeats=3, nproc=2).values[0]
     """
     import torch

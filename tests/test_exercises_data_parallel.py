@@ -180,11 +180,11 @@ def test_ddp_training_loop_wrong_returns_nothing():
 
 # ---- ddp_global_accuracy ----------------------------------------------------------------------
 
-def accuracy(*, reduce="counts", split="strided"):
+def accuracy(*, reduce="counts", split="strided", world_in=None):
     """A distributed accuracy with one of the usual mistakes."""
 
     def acc(model, dataset):
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = dist.get_rank(), world_in or dist.get_world_size()
         if split == "strided":
             part = Subset(dataset, range(rank, len(dataset), world))
         elif split == "padded":
@@ -192,9 +192,12 @@ def accuracy(*, reduce="counts", split="strided"):
         else:
             part = dataset
         counts = torch.zeros(2)
+        predictions = []
         with torch.no_grad():
             for x, y in DataLoader(part, batch_size=4):
-                counts += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)])
+                hits = model(x).argmax(1) == y
+                predictions += hits.tolist()
+                counts += torch.tensor([hits.sum().item(), len(y)])
         local = counts[0] / counts[1]
         if reduce == "counts":
             dist.all_reduce(counts)
@@ -208,6 +211,37 @@ def accuracy(*, reduce="counts", split="strided"):
         if reduce == "rank 0":
             dist.broadcast(local, src=0)
             return local.item()
+        if reduce == "weighted mean":  # right, until a slice is empty: 0/0 * 0 = nan
+            seen = counts[1].clone()
+            weighted = local * seen
+            dist.all_reduce(weighted)
+            dist.all_reduce(seen)
+            return (weighted / seen).item()
+        if reduce == "python division":  # the rank's own accuracy first: 0 / 0 on an empty slice
+            mine = int(counts[0]) / int(counts[1])
+            both = torch.tensor([mine * int(counts[1]), counts[1]])
+            dist.all_reduce(both)
+            return (both[0] / both[1]).item()
+        if reduce == "empty rank leaves":
+            if counts[1] == 0:
+                return 0.0
+            dist.all_reduce(counts)
+            return (counts[0] / counts[1]).item()
+        if reduce == "gather predictions":
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, predictions)
+            flat = [p for part in every for p in part]
+            return sum(flat) / len(flat)
+        if reduce == "reduce and broadcast":
+            dist.reduce(counts, dst=0)
+            dist.broadcast(counts, src=0)
+            return (counts[0] / counts[1]).item()
+        if reduce == "mask":  # one number per sample, all-reduced: right, and n times the bytes
+            mask = torch.zeros(len(dataset))
+            for i, hit in zip(part.indices, predictions, strict=True):
+                mask[i] = hit
+            dist.all_reduce(mask)
+            return mask.mean().item()
         return local.item()  # no reduction at all
 
     return acc
@@ -215,13 +249,33 @@ def accuracy(*, reduce="counts", split="strided"):
 
 def test_ddp_global_accuracy_solution_passes():
     verdict = exercise.ddp_global_accuracy(solution("ddp_global_accuracy", "my_global_accuracy"))
-    assert verdict and "7/13" in verdict.detail
+    assert verdict and "on 2 and 4 ranks" in verdict.detail and "7/13" in verdict.detail
+
+
+def test_ddp_global_accuracy_written_another_way_passes():
+    def two_scalars(model, dataset):  # contiguous slices, two int64 all-reduces of one number
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = torch.arange(len(dataset)).tensor_split(world)[rank].tolist()
+        correct, seen = torch.zeros((), dtype=torch.int64), torch.tensor(len(mine))
+        for i in mine:
+            x, y = dataset[i]
+            correct += int(model(x[None]).argmax(1).item() == int(y))
+        dist.all_reduce(correct)
+        dist.all_reduce(seen)
+        return correct.item() / seen.item()
+
+    verdict = exercise.ddp_global_accuracy(two_scalars)
+    assert verdict and "on 2 and 4 ranks" in verdict.detail
 
 
 def test_ddp_global_accuracy_wrong_averaged_accuracies():
     verdict = exercise.ddp_global_accuracy(accuracy(reduce="mean of accuracies"))
-    assert not verdict and "mean of the shards' accuracies" in verdict.detail
+    assert not verdict and "on 2 ranks" in verdict.detail
+    assert "mean of the slices' accuracies" in verdict.detail
     assert "7 and 6 samples" in verdict.hint and "sum the counts" in verdict.hint
+    on_4 = exercise.ddp_global_accuracy(accuracy(reduce="mean of accuracies"), worlds=(4,))
+    assert not on_4 and "mean of the slices' accuracies" in on_4.detail
+    assert "4 and 3 samples" in on_4.hint
 
 
 def test_ddp_global_accuracy_wrong_rank0_share():
@@ -231,7 +285,7 @@ def test_ddp_global_accuracy_wrong_rank0_share():
 
 def test_ddp_global_accuracy_wrong_no_all_reduce():
     verdict = exercise.ddp_global_accuracy(accuracy(reduce=None))
-    assert not verdict and "each its own shard" in verdict.detail
+    assert not verdict and "each its own slice" in verdict.detail
     assert "all_reduce the counts" in verdict.hint
 
 
@@ -246,9 +300,53 @@ def test_ddp_global_accuracy_wrong_padded_sampler():
     assert "pads" in verdict.hint
 
 
+def test_ddp_global_accuracy_wrong_world_written_in_shows_on_4_ranks_only():
+    assert exercise.ddp_global_accuracy(accuracy(world_in=2), worlds=(2,))
+    verdict = exercise.ddp_global_accuracy(accuracy(world_in=2))
+    assert not verdict and "on 4 ranks" in verdict.detail
+    assert "evaluated more than once" in verdict.detail and "overlap" in verdict.hint
+
+
 def test_ddp_global_accuracy_wrong_not_split():
     verdict = exercise.ddp_global_accuracy(accuracy(split=None))
     assert not verdict and "the work was not split" in verdict.detail
+
+
+def test_ddp_global_accuracy_wrong_nan_from_an_empty_slice():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce="weighted mean"))
+    assert not verdict and "on 2 ranks, 1 sample: " in verdict.detail
+    assert "reported nan" in verdict.detail and "had an empty slice" in verdict.detail
+    assert verdict.hint.startswith("an empty slice's own accuracy is 0 / 0")
+    on_4 = exercise.ddp_global_accuracy(accuracy(reduce="weighted mean"), worlds=(4,))
+    assert not on_4 and "on 4 ranks, 3 samples: " in on_4.detail and "rank 3 had" in on_4.detail
+
+
+def test_ddp_global_accuracy_wrong_divides_by_zero_on_an_empty_slice():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce="python division"))
+    assert not verdict and "on 2 ranks, 1 sample" in verdict.detail
+    assert "ZeroDivisionError" in verdict.detail
+    assert verdict.hint.startswith("a rank whose slice is empty has seen 0 samples")
+
+
+def test_ddp_global_accuracy_wrong_empty_rank_skips_the_all_reduce():
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce="empty rank leaves"))
+    assert not verdict and "on 2 ranks, 1 sample" in verdict.detail
+    assert verdict.hint.startswith("rank 1 returned without the all-reduce that rank 0 waits in")
+    assert "a rank whose slice is empty too" in verdict.hint
+
+
+@pytest.mark.parametrize("reduce, said, hinted", [
+    ("gather predictions", "through all_gather", "no need to move the predictions"),
+    ("reduce and broadcast", "through broadcast, reduce", "one all_reduce does in a single call"),
+    ("mask", "52 bytes all-reduced in 1 call, for 13 samples", "two numbers are enough"),
+])
+def test_ddp_global_accuracy_wrong_route_with_the_right_value(reduce, said, hinted):
+    verdict = exercise.ddp_global_accuracy(accuracy(reduce=reduce))
+    assert not verdict and "the right accuracy, but" in verdict.detail and said in verdict.detail
+    assert hinted in verdict.hint and "one all_reduce (SUM) of those two numbers" in verdict.hint
+    if reduce == "gather predictions":
+        on_4 = exercise.ddp_global_accuracy(accuracy(reduce=reduce), worlds=(4,))
+        assert not on_4 and "on 4 ranks, 13 samples, rank 0" in on_4.detail
 
 
 # ---- average_gradients ------------------------------------------------------------------------
@@ -320,7 +418,25 @@ def test_average_gradients_wrong_route_gathered_with_right_values():
             p.grad.copy_(torch.stack(parts).mean(0))
 
     verdict = exercise.average_gradients(gathered)
-    assert not verdict and "the right gradients, but through ['all_gather']" in verdict.detail
+    assert not verdict and "on 2 ranks, rank 0: the right gradients, but through all_gather " \
+        "(424 bytes gathered for 212 bytes of gradients)" in verdict.detail
+    assert verdict.hint.startswith("gathering every rank's gradients and taking their mean")
+    on_4 = exercise.average_gradients(gathered, worlds=(4,))
+    assert not on_4 and "on 4 ranks, rank 0" in on_4.detail and "848 bytes gathered" \
+        in on_4.detail
+
+
+def test_average_gradients_wrong_route_reduced_then_broadcast_with_right_values():
+    def reduce_then_broadcast(model):
+        for p in model.parameters():
+            dist.reduce(p.grad, dst=0)
+            dist.broadcast(p.grad, src=0)
+            p.grad /= dist.get_world_size()
+
+    verdict = exercise.average_gradients(reduce_then_broadcast, worlds=(4,))
+    assert not verdict and "on 4 ranks" in verdict.detail
+    assert "the right gradients, but through ['broadcast', 'reduce']" in verdict.detail
+    assert "a reduce to one rank and a broadcast back" in verdict.hint
 
 
 def test_average_gradients_written_another_way_passes():
@@ -384,6 +500,15 @@ def test_scaled_lr_warmup_wrong_divides_by_zero_without_warmup():
 
     verdict = exercise.scaled_lr_warmup(always_ramps)
     assert not verdict and "ZeroDivisionError" in verdict.detail
+
+
+def test_scaled_lr_warmup_written_another_way_passes():
+    def ramp(step, global_batch, *, base_lr, base_batch, warmup_steps):
+        done = 1.0 if step >= warmup_steps - 1 else (step + 1) / warmup_steps
+        return done * global_batch * base_lr / base_batch
+
+    verdict = exercise.scaled_lr_warmup(ramp)
+    assert verdict and "4 schedules" in verdict.detail
 
 
 @pytest.mark.parametrize("ex_id", ["ddp_training_loop", "ddp_global_accuracy",

@@ -1,9 +1,11 @@
 """Notebook 02's exercises (PyTorch DDP): the training set-up, one accuracy over all ranks,
 gradient averaging by hand, and the linearly scaled learning rate with warm-up.
 
-The distributed ones run the learner's function on two real gloo ranks (warm workers) through
-:func:`labkit.check.on_ranks`: a module-level worker below calls it on each rank and returns
-plain data, and the grader compares the ranks with each other and with a one-process reference.
+The distributed ones run the learner's function on real gloo ranks, 2 then 4 (warm workers),
+through :func:`labkit.check.on_ranks`: a module-level worker below calls it on each rank and
+returns plain data (with what the rank sent, counted by :mod:`labkit.parallel.traffic`), and
+the grader compares the ranks with each other and with a one-process reference, and the route
+with the one the exercise teaches.
 Each grader returns what it verified, or raises :class:`labkit.check.NotYet` with a hint that
 names the likely mistake.
 """
@@ -286,14 +288,33 @@ def ddp_training_loop(fn, *, epochs: int = 2, batch_size: int = 3, n: int = 40,
 
 # ---- the validation metric: counts all-reduced, not accuracies averaged ----------------------
 
-_N_VAL = 13  # odd: the two strided shards hold 7 and 6 samples
-_CORRECT = frozenset({0, 2, 4, 6, 8, 10, 1})  # 6 of 7 on shard 0, 1 of 6 on shard 1
+_ACC_WORLDS = (2, 4)
+_ACC_TIMEOUT = 30.0  # seconds: a few tiny all-reduces take milliseconds; longer is a rank waiting
+# Per case (samples, the indices the model gets right). 13 samples split 7/6 on 2 ranks and
+# 4/3/3/3 on 4: the slices' accuracies differ, so their mean is not the whole set's. Then a set
+# smaller than the ranks (world - 1 samples): one rank holds nothing, and must still take part.
+_ACC_CORRECT = frozenset({0, 1, 2, 4, 6, 8, 10})  # 7 of 13; on 2 strided ranks 6/7 and 1/6
 
 
-def _accuracy_on_rank(fn) -> dict:
-    """Worker: the learner's ``fn(model, dataset)`` on this rank; the samples the model saw."""
+def _acc_cases(world: int) -> list[tuple[int, frozenset]]:
+    return [(13, _ACC_CORRECT), (world - 1, frozenset({0, 2}) & set(range(world - 1)))]
+
+
+# The most a right route all-reduces: two numbers (correct, seen), 8 bytes each at most,
+# in one call or two.
+_ACC_MOST_BYTES, _ACC_MOST_CALLS = 16, 2
+_ACC_ROUTE = ("each rank counts its own slice, (correct, seen), and one all_reduce (SUM) of "
+              "those two numbers gives every rank the counts of the whole set, a message of the "
+              "same few bytes whatever the size of the set; divide after it")
+
+
+def _accuracy_on_rank(fn, n: int, correct) -> dict:
+    """Worker: the learner's ``fn(model, dataset)`` on this rank; the samples the model saw and
+    what the rank sent."""
     import torch
     from torch import nn
+
+    from ..parallel.traffic import count_traffic
 
     class Scored(nn.Module):
         """Returns logits fixed per sample (its last column is the sample's index), noting it."""
@@ -306,76 +327,179 @@ def _accuracy_on_rank(fn) -> dict:
             self.seen.extend(x[:, -1].round().long().tolist())
             return x[:, :-1]
 
-    y = torch.arange(_N_VAL) % 10
-    guess = torch.tensor([int(c) if i in _CORRECT else (int(c) + 1) % 10 for i, c in enumerate(y)])
+    y = torch.arange(n) % 10
+    guess = torch.tensor([int(c) if i in correct else (int(c) + 1) % 10 for i, c in enumerate(y)],
+                         dtype=torch.long)
     logits = nn.functional.one_hot(guess, 10).float()
-    x = torch.cat([logits, torch.arange(_N_VAL).float()[:, None]], dim=1)
+    x = torch.cat([logits, torch.arange(n).float()[:, None]], dim=1)
     model = Scored()
-    result = fn(model, torch.utils.data.TensorDataset(x, y))
+    with count_traffic() as sent:
+        result = fn(model, torch.utils.data.TensorDataset(x, y))
     try:
         acc = float(result)
     except (TypeError, ValueError, RuntimeError):
         acc = None
-    return {"acc": acc, "returned": repr(result)[:80], "seen": model.seen}
+    return {"acc": acc, "returned": repr(result)[:80], "seen": model.seen,
+            "calls": [(c.op, c.payload_bytes) for c in sent.calls]}
 
 
-@exercise("ddp_global_accuracy", notebook=NOTEBOOK, title="one accuracy for all ranks")
-def ddp_global_accuracy(fn) -> str:
-    """Exercise: ``fn(model, dataset)`` is the accuracy on the whole set, each rank its slice.
+def _ranks_named(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
-    Run on 2 ranks with 13 validation samples (shards of 7 and 6, so averaging the two
-    accuracies is wrong); every rank must report the accuracy over all 13, each sample
-    evaluated once.
 
-    Example::
+def _accuracy_run(fn, world: int, n: int, correct) -> list[dict]:
+    """One case on ``world`` ranks; a hang or a division by zero named for what it is here."""
+    empty = n < world
+    try:
+        return on_ranks(_accuracy_on_rank, fn, n, correct, nproc=world, timeout=_ACC_TIMEOUT)
+    except NotYet as wrong:
+        where = f"on {world} ranks, {n} sample{'s' if n != 1 else ''}"
+        if wrong.stuck:
+            left = [r for r in range(world) if r not in wrong.stuck]
+            hint = (f"{_ranks_named(left)} returned without the all-reduce that "
+                    f"{_ranks_named(wrong.stuck)} wait{'s' if len(wrong.stuck) == 1 else ''} in"
+                    if left else "the ranks wait in different collectives")
+            raise NotYet(f"{where}: {wrong.detail}", hint + ": every rank must call the same "
+                         "all-reduces, a rank whose slice is empty too (with counts of zero)"
+                         if empty else hint + ": every rank makes the same collective calls, "
+                         "in the same order", stuck=wrong.stuck) from None
+        if empty and "ZeroDivisionError" in wrong.detail:
+            raise NotYet(f"{where} (fewer than the ranks, so a slice is empty): {wrong.detail}",
+                         "a rank whose slice is empty has seen 0 samples: divide only after the "
+                         "all-reduce, by the whole set's count; " + _ACC_ROUTE,
+                         traceback=wrong.traceback) from None
+        raise NotYet(f"{where}: {wrong.detail}", wrong.hint, traceback=wrong.traceback) from None
 
-        >>> exercise.ddp_global_accuracy(my_global_accuracy)
-        [pass] one accuracy for all ranks: both ranks report 7/13 = 0.5385 ...
-    """
-    ranks = on_ranks(_accuracy_on_rank, fn)
-    accs, seen = [r["acc"] for r in ranks], [r["seen"] for r in ranks]
-    if None in accs:
-        raise NotYet(f"your function returned {ranks[accs.index(None)]['returned']}",
-                     "return the accuracy as a number: correct / seen, e.g. counts[0] / counts[1]")
-    everything = set(range(_N_VAL))
-    if not all(seen):
-        raise NotYet(f"rank {[bool(s) for s in seen].index(False)} evaluated no sample",
+
+def _accuracy_split(ranks: list[dict], n: int, where: str) -> list[list[int]]:
+    """Each rank's samples, or the NotYet the split earns: disjoint slices covering the set."""
+    world, seen = len(ranks), [r["seen"] for r in ranks]
+    everything = set(range(n))
+    if n >= world and not all(seen):
+        raise NotYet(f"{where}: rank {[bool(s) for s in seen].index(False)} evaluated no sample",
                      "every rank evaluates its own slice: Subset(dataset, range(rank, n, world))")
-    if all(set(s) >= everything for s in seen):
-        raise NotYet(f"every rank evaluated all {_N_VAL} samples: the work was not split",
+    if n > 1 and all(set(s) >= everything for s in seen):
+        raise NotYet(f"{where}: every rank evaluated all {n} samples: the work was not split",
                      "evaluate only this rank's slice, Subset(dataset, range(rank, len(dataset), "
                      "world)), then all_reduce the counts")
     flat = [i for s in seen for i in s]
     twice = sorted({i for i in flat if flat.count(i) > 1})
     if twice:
-        raise NotYet(f"samples {twice} were evaluated more than once ({len(flat)} evaluations "
-                     f"for {_N_VAL} samples)", "a DistributedSampler pads the shards by "
-                     "repeating samples; slice with Subset(dataset, range(rank, n, world))")
+        said = f"{where}: samples {twice} were evaluated more than once ({len(flat)} evaluations " \
+               f"for {n} samples)"
+        if len(flat) == world * math.ceil(n / world):  # the sampler's padding, to equal shards
+            raise NotYet(said, "a DistributedSampler pads the shards by repeating samples; "
+                               "slice with Subset(dataset, range(rank, n, world))")
+        raise NotYet(said, "the slices of different ranks overlap: each rank's slice depends on "
+                           "its rank and on the number of ranks, dist.get_world_size() (not a "
+                           "number written in), e.g. range(rank, n, world)")
     if set(flat) != everything:
-        raise NotYet(f"samples {sorted(everything - set(flat))} were evaluated by no rank",
-                     "the slices range(rank, n, world) of all ranks together cover every sample")
-    share = [sum(i in _CORRECT for i in s) / len(s) for s in seen]  # each shard's own accuracy
-    truth = len(_CORRECT) / _N_VAL
-    if not math.isclose(accs[0], accs[1], abs_tol=1e-6):
-        raise NotYet(f"rank 0 reported {accs[0]:.4f}, rank 1 {accs[1]:.4f}: each its own shard",
+        raise NotYet(f"{where}: samples {sorted(everything - set(flat))} were evaluated by no "
+                     f"rank", "the slices range(rank, n, world) of all ranks together cover "
+                                 "every sample")
+    return seen
+
+
+def _accuracy_values(ranks: list[dict], seen, n: int, correct, where: str) -> None:
+    """Raise NotYet unless every rank reports correct / n, naming the usual wrong combination."""
+    world, accs = len(ranks), [r["acc"] for r in ranks]
+    truth = len(correct) / n
+    empty = [r for r, s in enumerate(seen) if not s]
+    if any(math.isnan(a) for a in accs):
+        nan = [r for r, a in enumerate(accs) if math.isnan(a)]
+        if empty:
+            raise NotYet(f"{where}: {_ranks_named(nan)} reported nan; {_ranks_named(empty)} "
+                         f"had an empty slice", "an empty slice's own accuracy is 0 / 0 = nan, "
+                         "and it spreads through whatever adds it: " + _ACC_ROUTE)
+        raise NotYet(f"{where}: {_ranks_named(nan)} reported nan", _ACC_ROUTE)
+    if max(accs) - min(accs) > 1e-6:
+        said = ", ".join(f"rank {r} {a:.4f}" for r, a in enumerate(accs))
+        raise NotYet(f"{where}: the ranks reported {said}: each its own slice",
                      "all_reduce the counts (correct, seen) with SUM before dividing, so every "
                      "rank reports the whole validation set")
     acc = accs[0]
     if math.isclose(acc, truth, abs_tol=1e-6):
-        return f"both ranks report {len(_CORRECT)}/{_N_VAL} = {truth:.4f}, each sample once"
-    if math.isclose(acc, sum(share) / 2, abs_tol=1e-6):
-        raise NotYet(f"{acc:.4f} is the mean of the shards' accuracies {share[0]:.3f} and "
-                     f"{share[1]:.3f}, not the accuracy over all {_N_VAL} ({truth:.4f})",
-                     f"the shards hold {len(seen[0])} and {len(seen[1])} samples: sum the "
-                     f"counts (correct, seen) with all_reduce, then divide")
-    if math.isclose(acc, share[0], abs_tol=1e-6):
-        raise NotYet(f"{acc:.4f} is rank 0's share only, reported on every rank",
+        return
+    share = [sum(i in correct for i in s) / len(s) if s else 0.0 for s in seen]
+    kept = [share[r] for r, s in enumerate(seen) if s]
+    sizes = " and ".join(map(str, sorted({len(s) for s in seen}, reverse=True)))
+    if math.isclose(acc, sum(kept) / len(kept), abs_tol=1e-6):
+        raise NotYet(f"{where}: {acc:.4f} is the mean of the slices' accuracies "
+                     f"{', '.join(f'{a:.3f}' for a in kept)}, not the accuracy over all {n} "
+                     f"({truth:.4f})", f"the slices hold {sizes} samples: sum the counts "
+                     f"(correct, seen) with all_reduce, then divide")
+    if empty and math.isclose(acc, sum(share) / world, abs_tol=1e-6):
+        raise NotYet(f"{where}: {acc:.4f} is the mean of the ranks' accuracies, an empty slice "
+                     f"counted as 0; over all {n} it is {truth:.4f}",
+                     "an empty slice has no accuracy: sum the counts (correct, seen) with "
+                     "all_reduce, then divide")
+    if seen[0] and math.isclose(acc, share[0], abs_tol=1e-6):
+        raise NotYet(f"{where}: {acc:.4f} is rank 0's share only, reported on every rank",
                      "all_reduce (SUM) the counts of every rank, then divide correct by seen")
     if math.isclose(acc, sum(share), abs_tol=1e-6) or acc > 1:
-        raise NotYet(f"{acc:.4f}: the accuracies were summed", "sum the counts (correct, seen), "
-                     "not the accuracies, then divide correct by seen")
-    raise NotYet(f"both ranks report {acc:.4f}; over all {_N_VAL} samples it is {truth:.4f}",
-                 "accuracy = (correct summed over ranks) / (seen summed over ranks)")
+        raise NotYet(f"{where}: {acc:.4f}: the accuracies were summed", "sum the counts "
+                     "(correct, seen), not the accuracies, then divide correct by seen")
+    raise NotYet(f"{where}: every rank reports {acc:.4f}; over all {n} samples it is "
+                 f"{truth:.4f}", "accuracy = (correct summed over ranks) / (seen summed over "
+                                 "ranks)")
+
+
+def _accuracy_route(ranks: list[dict], n: int, where: str) -> None:
+    """The value is right: did it come from an all-reduce of the counts, and nothing more?"""
+    for rank, got in enumerate(ranks):
+        calls, at = got["calls"], f"{where}, rank {rank}"
+        ops = sorted({op for op, _ in calls})
+        moved = sum(b for _, b in calls)
+        gathered = [op for op in ops if op in ("all_gather", "gather", "all_to_all", "scatter")]
+        if gathered:
+            raise NotYet(f"{at}: the right accuracy, but through {', '.join(gathered)} "
+                         f"({moved:,} bytes in {len(calls)} calls)",
+                         "no need to move the predictions (or each rank's counts) and add them "
+                         "up yourself: " + _ACC_ROUTE)
+        if ops and ops != ["all_reduce"]:
+            raise NotYet(f"{at}: the right accuracy, but through {', '.join(ops)}",
+                         "a reduce to one rank and a broadcast back are what one all_reduce "
+                         "does in a single call: " + _ACC_ROUTE)
+        if not calls:
+            raise NotYet(f"{at}: the right accuracy, but no collective was called",
+                         _ACC_ROUTE)
+        if moved > _ACC_MOST_BYTES or len(calls) > _ACC_MOST_CALLS:
+            raise NotYet(f"{at}: the right accuracy, but {moved:,} bytes all-reduced in "
+                         f"{len(calls)} call{'s' if len(calls) > 1 else ''}, for {n} samples",
+                         "two numbers are enough (correct, seen), not a number per sample or "
+                         "per class: " + _ACC_ROUTE)
+
+
+@exercise("ddp_global_accuracy", notebook=NOTEBOOK, title="one accuracy for all ranks")
+def ddp_global_accuracy(fn, worlds=_ACC_WORLDS) -> str:
+    """Exercise: ``fn(model, dataset)`` is the accuracy on the whole set, each rank its slice.
+
+    Run on 2, then 4 ranks: 13 validation samples (slices of 7 and 6, or 4, 3, 3 and 3, so
+    averaging the slices' accuracies is wrong), then a set smaller than the ranks (one slice
+    empty). Every rank must report the accuracy over the whole set, each sample evaluated once,
+    reached by all-reducing the counts: at most two numbers (correct, seen), not the predictions.
+
+    Example::
+
+        >>> exercise.ddp_global_accuracy(my_global_accuracy)
+        [pass] one accuracy for all ranks: on 2 and 4 ranks every rank reports 7/13 ...
+    """
+    for world in worlds:
+        for n, correct in _acc_cases(world):
+            where = f"on {world} ranks, {n} sample{'s' if n != 1 else ''}"
+            ranks = _accuracy_run(fn, world, n, correct)
+            accs = [r["acc"] for r in ranks]
+            if None in accs:
+                raise NotYet(f"your function returned {ranks[accs.index(None)]['returned']}",
+                             "return the accuracy as a number: correct / seen, e.g. "
+                             "counts[0] / counts[1]")
+            seen = _accuracy_split(ranks, n, where)
+            _accuracy_values(ranks, seen, n, correct, where)
+            _accuracy_route(ranks, n, where)
+    return (f"on {' and '.join(map(str, worlds))} ranks every rank reports "
+            f"{len(_ACC_CORRECT)}/13 = {len(_ACC_CORRECT) / 13:.4f} (slices of unequal sizes) "
+            f"and the right accuracy with an empty slice, each sample evaluated once, from one "
+            f"all-reduce of the counts")
 
 
 # ---- gradient averaging: what DDP does after backward ----------------------------------------
@@ -422,7 +546,7 @@ def _parts(out: dict):
 
 
 @exercise("average_gradients", notebook=NOTEBOOK, title="average the gradients by hand")
-def average_gradients(fn) -> str:
+def average_gradients(fn, worlds=(2, 4)) -> str:
     """Exercise: ``fn(model)`` makes every ``p.grad`` the mean over the ranks, as DDP does.
 
     Run on 2, then 4 ranks, each after a backward pass on its share of one batch: afterwards
@@ -434,24 +558,24 @@ def average_gradients(fn) -> str:
         >>> exercise.average_gradients(my_average_gradients)
         [pass] average the gradients by hand: both ranks hold the whole batch's gradient ...
     """
-    for world in (2, 4):
+    for world in worlds:
         _judge_averaged(on_ranks(_grads_on_rank, fn, nproc=world))
-    return ("on 2 and 4 ranks every rank holds the whole batch's gradient, as one process "
-            "computes it, with each gradient all-reduced once")
+    return (f"on {' and '.join(map(str, worlds))} ranks every rank holds the whole batch's "
+            f"gradient, as one process computes it, with each gradient all-reduced once")
 
 
 def _judge_averaged(ranks: list[dict]) -> None:
     """Raise NotYet unless every rank holds the whole batch's gradient, all-reduced once."""
     world, first = len(ranks), ranks[0]
     if any(r["after"] is None for r in ranks):
-        raise NotYet("a parameter had no .grad after your function",
+        raise NotYet(f"on {world} ranks: a parameter had no .grad after your function",
                      "average p.grad in place (dist.all_reduce(p.grad), then divide); do not "
                      "set it to None")
     differ = [name for name, part in _parts(first)
               if max(_gap(ranks[0]["after"][part], r["after"][part]) for r in ranks) > 1e-6]
     if differ:
         kept = all(_gap(r["after"], r["local"]) < 1e-9 for r in ranks)
-        raise NotYet("the ranks hold different gradients afterwards: " +
+        raise NotYet(f"on {world} ranks: the ranks hold different gradients afterwards: " +
                      ("each kept its own" if kept else f"parameters {differ} were not reduced"),
                      "call dist.all_reduce(p.grad) for every parameter (for p in "
                      "model.parameters()), on every rank, in the same order")
@@ -460,13 +584,14 @@ def _judge_averaged(ranks: list[dict]) -> None:
         _averaging_route(ranks)
         return
     if _gap(after, world * ref) < 1e-6:
-        raise NotYet(f"the gradients are {world}x the whole batch's gradient",
+        raise NotYet(f"on {world} ranks: the gradients are {world}x the whole batch's "
+                     f"gradient",
                      "all_reduce sums: divide by dist.get_world_size() to average")
     for name, part in _parts(first):
         if _gap(after[part], ref[part]) >= 1e-6:
-            raise NotYet(f"parameter {name!r} was not averaged",
+            raise NotYet(f"on {world} ranks: parameter {name!r} was not averaged",
                          "every parameter: dist.all_reduce(p.grad), then p.grad /= world size")
-    raise NotYet("the gradients are not the whole batch's mean gradient",
+    raise NotYet(f"on {world} ranks: the gradients are not the whole batch's mean gradient",
                  "for each parameter: dist.all_reduce(p.grad); p.grad /= world size")
 
 
@@ -477,10 +602,20 @@ def _averaging_route(ranks: list[dict]) -> None:
         ops = sorted({op for op, _ in got["calls"]})
         reduced = sum(b for op, b in got["calls"] if op == "all_reduce")
         where = f"on {world} ranks, rank {rank}"
+        gathered = [op for op in ops if op in ("all_gather", "gather")]
+        if gathered:
+            moved = sum(b for op, b in got["calls"] if op in gathered)
+            raise NotYet(f"{where}: the right gradients, but through {', '.join(gathered)} "
+                         f"({moved:,} bytes gathered for {grad_bytes:,} bytes of gradients)",
+                         "gathering every rank's gradients and taking their mean yourself "
+                         "moves and holds a copy per rank; dist.all_reduce(p.grad) sums in "
+                         "place on every rank (what DDP does), then divide by the world size")
         if ops != ["all_reduce"]:
             raise NotYet(f"{where}: the right gradients, but through {ops or 'no collective'}",
                          "average with all_reduce: dist.all_reduce(p.grad) sums in place on "
-                         "every rank (what DDP does), then divide by the world size")
+                         "every rank (what DDP does; a reduce to one rank and a broadcast back "
+                         "take two calls for what it does in one), then divide by the world "
+                         "size")
         if reduced != grad_bytes:
             raise NotYet(f"{where}: the right gradients, but {reduced:,} bytes all-reduced for "
                          f"{grad_bytes:,} bytes of gradients ({len(got['calls'])} calls)",
