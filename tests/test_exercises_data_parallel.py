@@ -426,6 +426,22 @@ def test_average_gradients_wrong_route_gathered_with_right_values():
         in on_4.detail
 
 
+def test_average_gradients_wrong_float32_buffer_in_a_float64_model():
+    def float32_buffer(model):
+        grads = [p.grad for p in model.parameters()]
+        buffer = torch.zeros(sum(g.numel() for g in grads))  # float32, whatever the model
+        buffer.copy_(torch.cat([g.reshape(-1) for g in grads]))
+        dist.all_reduce(buffer)
+        buffer /= dist.get_world_size()
+        for g, part in zip(grads, buffer.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+
+    verdict = exercise.average_gradients(float32_buffer)
+    assert not verdict and "on 2 ranks (float64 model): the gradients are off by" \
+        in verdict.detail and "float32 rounding" in verdict.detail
+    assert "keep the gradients' dtype" in verdict.hint
+
+
 def test_average_gradients_wrong_route_reduced_then_broadcast_with_right_values():
     def reduce_then_broadcast(model):
         for p in model.parameters():
@@ -449,7 +465,7 @@ def test_average_gradients_written_another_way_passes():
             g.copy_(part.view_as(g))
 
     verdict = exercise.average_gradients(flat)
-    assert verdict and "on 2 and 4 ranks" in verdict.detail
+    assert verdict and "on 2 and 4 ranks, float32 and float64" in verdict.detail
 
 
 # ---- scaled_lr_warmup -------------------------------------------------------------------------

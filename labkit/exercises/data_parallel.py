@@ -505,36 +505,46 @@ def ddp_global_accuracy(fn, worlds=_ACC_WORLDS) -> str:
 # ---- gradient averaging: what DDP does after backward ----------------------------------------
 
 
-def _grads_on_rank(fn) -> dict:
-    """Worker: one backward on this rank's half of a batch, then the learner's ``fn(model)``."""
+_AVG_CASES = ("float32", "float64")  # a float64 model: a float32 buffer rounds its gradients
+_AVG_TOL = {"float32": 1e-6, "float64": 1e-12}
+
+
+def _grads_on_rank(fn) -> list[dict]:
+    """Worker: for each dtype, one backward on this rank's share of a batch, then the learner's
+    ``fn(model)``; the gradients before and after, and what the rank sent."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4 * world, 6, generator=gen)
-    y = torch.randint(0, 3, (4 * world,), generator=gen)
-
-    def model_and_grads(xs, ys):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-        nn.functional.cross_entropy(model(xs), ys).backward()
-        return model
-
     from ..parallel.traffic import count_traffic
 
-    reference = _flat(model_and_grads(x, y), grad=True)  # one process, the whole batch
-    model = model_and_grads(x[rank::world], y[rank::world])  # this rank's share
-    local = _flat(model, grad=True)
-    with count_traffic() as sent:
-        fn(model)
-    grads = [p.grad for p in model.parameters()]
-    after = None if any(g is None for g in grads) else _flat(model, grad=True)
-    return {"reference": reference, "local": local, "after": after,
-            "sizes": [p.numel() for p in model.parameters()],
-            "names": [name for name, _ in model.named_parameters()],
-            "calls": [(c.op, c.payload_bytes) for c in sent.calls]}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dtype in _AVG_CASES:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(4 * world, 6, generator=gen).to(getattr(torch, dtype))
+        y = torch.randint(0, 3, (4 * world,), generator=gen)
+
+        def model_and_grads(xs, ys, dtype=dtype):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+            model.to(getattr(torch, dtype))
+            nn.functional.cross_entropy(model(xs), ys).backward()
+            return model
+
+        reference = _flat(model_and_grads(x, y), grad=True)  # one process, the whole batch
+        model = model_and_grads(x[rank::world], y[rank::world])  # this rank's share
+        local = _flat(model, grad=True)
+        with count_traffic() as sent:
+            fn(model)
+        grads = [p.grad for p in model.parameters()]
+        after = None if any(g is None for g in grads) else _flat(model, grad=True)
+        out.append({"reference": reference, "local": local, "after": after, "dtype": dtype,
+                    "esize": torch.finfo(getattr(torch, dtype)).bits // 8,
+                    "sizes": [p.numel() for p in model.parameters()],
+                    "names": [name for name, _ in model.named_parameters()],
+                    "calls": [(c.op, c.payload_bytes) for c in sent.calls]})
+    return out
 
 
 def _parts(out: dict):
@@ -559,49 +569,58 @@ def average_gradients(fn, worlds=(2, 4)) -> str:
         [pass] average the gradients by hand: both ranks hold the whole batch's gradient ...
     """
     for world in worlds:
-        _judge_averaged(on_ranks(_grads_on_rank, fn, nproc=world))
-    return (f"on {' and '.join(map(str, worlds))} ranks every rank holds the whole batch's "
-            f"gradient, as one process computes it, with each gradient all-reduced once")
+        ranks = on_ranks(_grads_on_rank, fn, nproc=world)
+        for k in range(len(_AVG_CASES)):
+            _judge_averaged([r[k] for r in ranks])
+    return (f"on {' and '.join(map(str, worlds))} ranks, float32 and float64, every rank holds "
+            f"the whole batch's gradient, as one process computes it, with each gradient "
+            f"all-reduced once")
 
 
 def _judge_averaged(ranks: list[dict]) -> None:
     """Raise NotYet unless every rank holds the whole batch's gradient, all-reduced once."""
     world, first = len(ranks), ranks[0]
+    dtype, tol = first["dtype"], _AVG_TOL[first["dtype"]]
+    at = f"on {world} ranks" + ("" if dtype == "float32" else f" ({dtype} model)")
     if any(r["after"] is None for r in ranks):
-        raise NotYet(f"on {world} ranks: a parameter had no .grad after your function",
+        raise NotYet(f"{at}: a parameter had no .grad after your function",
                      "average p.grad in place (dist.all_reduce(p.grad), then divide); do not "
                      "set it to None")
     differ = [name for name, part in _parts(first)
-              if max(_gap(ranks[0]["after"][part], r["after"][part]) for r in ranks) > 1e-6]
+              if max(_gap(ranks[0]["after"][part], r["after"][part]) for r in ranks) > tol]
     if differ:
         kept = all(_gap(r["after"], r["local"]) < 1e-9 for r in ranks)
-        raise NotYet(f"on {world} ranks: the ranks hold different gradients afterwards: " +
+        raise NotYet(f"{at}: the ranks hold different gradients afterwards: " +
                      ("each kept its own" if kept else f"parameters {differ} were not reduced"),
                      "call dist.all_reduce(p.grad) for every parameter (for p in "
                      "model.parameters()), on every rank, in the same order")
     after, ref = first["after"], first["reference"]
-    if _gap(after, ref) < 1e-6:
-        _averaging_route(ranks)
+    if _gap(after, ref) < tol:
+        _averaging_route(ranks, at)
         return
-    if _gap(after, world * ref) < 1e-6:
-        raise NotYet(f"on {world} ranks: the gradients are {world}x the whole batch's "
-                     f"gradient",
+    if _gap(after, world * ref) < tol * world:
+        raise NotYet(f"{at}: the gradients are {world}x the whole batch's gradient",
                      "all_reduce sums: divide by dist.get_world_size() to average")
+    if dtype != "float32" and _gap(after, ref) < 1e-5:
+        raise NotYet(f"{at}: the gradients are off by {_gap(after, ref):.1e}, float32 rounding "
+                     f"in a {dtype} model", "keep the gradients' dtype: a buffer of your own "
+                     "must be built in it (torch.cat of the gradients keeps it; torch.zeros(n) "
+                     "is float32)")
     for name, part in _parts(first):
-        if _gap(after[part], ref[part]) >= 1e-6:
-            raise NotYet(f"on {world} ranks: parameter {name!r} was not averaged",
+        if _gap(after[part], ref[part]) >= tol:
+            raise NotYet(f"{at}: parameter {name!r} was not averaged",
                          "every parameter: dist.all_reduce(p.grad), then p.grad /= world size")
-    raise NotYet(f"on {world} ranks: the gradients are not the whole batch's mean gradient",
+    raise NotYet(f"{at}: the gradients are not the whole batch's mean gradient",
                  "for each parameter: dist.all_reduce(p.grad); p.grad /= world size")
 
 
-def _averaging_route(ranks: list[dict]) -> None:
+def _averaging_route(ranks: list[dict], at: str) -> None:
     """The values are right: was every gradient all-reduced exactly once, and nothing else?"""
-    world, grad_bytes = len(ranks), 4 * sum(ranks[0]["sizes"])  # float32 gradients
+    grad_bytes = ranks[0]["esize"] * sum(ranks[0]["sizes"])  # one gradient of each parameter
     for rank, got in enumerate(ranks):
         ops = sorted({op for op, _ in got["calls"]})
         reduced = sum(b for op, b in got["calls"] if op == "all_reduce")
-        where = f"on {world} ranks, rank {rank}"
+        where = f"{at}, rank {rank}"
         gathered = [op for op in ops if op in ("all_gather", "gather")]
         if gathered:
             moved = sum(b for op, b in got["calls"] if op in gathered)
