@@ -205,6 +205,18 @@ def _diagnose_reduce_scatter(rank: int, world: int, numel: int, got: dict) -> No
     raise NotYet(said + also, _RS_INDEX)
 
 
+def _grade_ring(fn, worlds, worker, diagnose, offset: int, index_hint: str) -> None:
+    """Run one ring half on each world and judge every rank: the values first (they say more
+    about a mistake), then the route that reached them."""
+    for world in worlds:
+        cases = _cases(world)
+        results = _on_ranks(worker, fn, world, cases, index_hint)
+        for rank, per_rank in enumerate(results):
+            for (numel, _), got in zip(cases, per_rank, strict=True):
+                diagnose(rank, world, numel, got)
+        _judge_routes(results, cases, world, offset, index_hint)
+
+
 @exercise("ring_reduce_scatter", notebook=NOTEBOOK, title="ring reduce-scatter from isend/irecv")
 def ring_reduce_scatter(fn, worlds=WORLDS) -> str:
     """Exercise: ``fn(chunks, rank, world)`` leaves chunk (rank + 1) % world summed over all ranks.
@@ -219,14 +231,7 @@ def ring_reduce_scatter(fn, worlds=WORLDS) -> str:
         >>> exercise.ring_reduce_scatter(my_reduce_scatter)
         [pass] ring reduce-scatter from isend/irecv: on 2 and 4 ranks, ...
     """
-    for world in worlds:
-        cases = _cases(world)
-        results = _on_ranks(_reduce_scatter_worker, fn, world, cases, _RS_INDEX)
-        for rank, per_rank in enumerate(results):
-            for (numel, _), got in zip(cases, per_rank, strict=True):
-                _diagnose_reduce_scatter(rank, world, numel, got)
-        # the values first (they say more about a mistake), then the route that reached them
-        _judge_routes(results, cases, world, 0, _RS_INDEX)
+    _grade_ring(fn, worlds, _reduce_scatter_worker, _diagnose_reduce_scatter, 0, _RS_INDEX)
     return (f"on {' and '.join(map(str, worlds))} ranks (float32 and float64, empty and uneven "
             f"chunks), chunk (r + 1) mod n of every rank r holds every rank's contribution "
             f"exactly once, in place, after n - 1 ring steps of one chunk each")
@@ -268,13 +273,7 @@ def ring_all_gather(fn, worlds=WORLDS) -> str:
         >>> exercise.ring_all_gather(my_all_gather)
         [pass] ring all-gather from isend/irecv: on 2 and 4 ranks, every rank ends with ...
     """
-    for world in worlds:
-        cases = _cases(world)
-        results = _on_ranks(_all_gather_worker, fn, world, cases, _AG_INDEX)
-        for rank, per_rank in enumerate(results):
-            for (numel, _), got in zip(cases, per_rank, strict=True):
-                _diagnose_all_gather(rank, world, numel, got)
-        _judge_routes(results, cases, world, 1, _AG_INDEX)
+    _grade_ring(fn, worlds, _all_gather_worker, _diagnose_all_gather, 1, _AG_INDEX)
     return (f"on {' and '.join(map(str, worlds))} ranks (float32 and float64, empty and uneven "
             f"chunks), every rank ends with every finished chunk, copied in place, after n - 1 "
             f"ring steps of one chunk each")
