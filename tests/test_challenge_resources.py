@@ -31,15 +31,23 @@ def _ranges(numel, world):
     return [(sum(sizes[:r]), sum(sizes[:r + 1])) for r in range(world)]
 
 
-def _save(shard, step, folder):
+def _save(shard, step, folder, *, atomic=True):
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.save(shard.clone(), os.path.join(folder, f"step-{step}-rank-{rank}-of-{world}.pt"))
+    path = os.path.join(folder, f"step-{step}-rank-{rank}-of-{world}.pt")
+    torch.save(shard.clone(), path + ".partial" if atomic else path)
+    if atomic:
+        os.replace(path + ".partial", path)
 
 
-def _load(numel, folder, *, every_file=False, by_name=False, same_world=False):
+def _load(numel, folder, *, every_file=False, by_name=False, same_world=False,
+          any_step=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     names = [n for n in os.listdir(folder) if n.endswith(".pt")]
     steps = {n.split("-")[1] for n in names}
+    if not any_step:  # only the steps every rank finished
+        steps = {s for s in steps if sum(n.startswith(f"step-{s}-") for n in names)
+                 == int(next(n for n in names if n.startswith(f"step-{s}-"))
+                         .split("-of-")[1][:-3])}
     step = max(steps) if by_name else max(steps, key=int)
     old_world = int(next(n for n in names if n.startswith(f"step-{step}-")).split("-of-")[1][:-3])
     if same_world:
@@ -126,17 +134,23 @@ def _meta_save(shard, step, folder):
     sizes[rank] = shard.numel()
     dist.all_reduce(sizes)
     start = int(sizes[:rank].sum())
-    torch.save(shard.clone(), os.path.join(folder, f"{step:08d}_{start:08d}.pt"))
+    name = os.path.join(folder, f"{step:08d}_{start:08d}.pt")
+    with open(name + "~", "wb") as f:  # a file object, renamed once whole
+        torch.save(shard.clone(), f)
+    os.rename(name + "~", name)
+    dist.barrier()  # the metadata, which makes the step visible, only once every slice is whole
     if rank == 0:
         meta = {"step": step, "starts": [int(sizes[:r].sum()) for r in range(world)],
                 "sizes": sizes.tolist()}
-        with open(os.path.join(folder, f"meta_{step:08d}.json"), "w") as f:
+        with open(os.path.join(folder, "meta.tmp"), "w") as f:
             json.dump(meta, f)
+        os.rename(os.path.join(folder, "meta.tmp"), os.path.join(folder, f"meta_{step:08d}.json"))
 
 
 def _meta_load(numel, folder):
     rank, world = dist.get_rank(), dist.get_world_size()
-    newest = max(n for n in os.listdir(folder) if n.startswith("meta_"))  # zero-padded: sorts
+    newest = max(n for n in os.listdir(folder)  # zero-padded: sorts
+                 if n.startswith("meta_") and n.endswith(".json"))
     with open(os.path.join(folder, newest)) as f:
         meta = json.load(f)
     lo, hi = _ranges(numel, world)[rank]
@@ -153,3 +167,26 @@ def _meta_load(numel, folder):
 
 def test_resharded_checkpoint_valid_metadata_file_and_offsets_pass():
     assert exercise.resharded_checkpoint(_meta_save, _meta_load)
+
+
+def _direct_save(shard, step, folder):
+    _save(shard, step, folder, atomic=False)
+
+
+def test_resharded_checkpoint_wrong_file_written_under_its_real_name():
+    """Right values and route, but a crash mid-write leaves half a file that load takes for a
+    complete checkpoint."""
+    verdict = exercise.resharded_checkpoint(_direct_save, _load)
+    assert not verdict and "step 11 cut short while rank 3 wrote its file" in verdict.detail
+    assert verdict.hint.startswith("a checkpoint is complete only once every rank's file")
+
+
+def _any_step(numel, folder):
+    return _load(numel, folder, any_step=True)
+
+
+def test_resharded_checkpoint_wrong_incomplete_step_loaded():
+    """Atomic files, but load takes the largest step even though one rank's file is missing."""
+    verdict = exercise.resharded_checkpoint(_save, _any_step)
+    assert not verdict and "step 11 cut short while rank 3 wrote its file" in verdict.detail
+    assert "skip steps with a file missing" in verdict.hint

@@ -582,6 +582,40 @@ def _rs_save_worker(fn, folder: str, numel: int, dtype: str) -> list:
     return out
 
 
+class _SimulatedCrash(Exception):
+    """Raised by the patched torch.save: the process died while that file was being written."""
+
+
+def _rs_crash_worker(fn, folder: str, numel: int, dtype: str, step: int) -> bool:
+    """Each rank: ``fn(shard, step, folder)`` once more, the last rank dying in its first
+    torch.save after writing half a file (what a killed job or a full disk leaves behind).
+    Returns whether this rank's save was the one cut short."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = _rs_flat(numel, dtype, step).tensor_split(world)[rank].clone()
+    real = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        if hasattr(f, "write"):
+            f.write(b"PK\x03\x04 half a file")
+        else:
+            with open(f, "wb") as out:
+                out.write(b"PK\x03\x04 half a file")
+        raise _SimulatedCrash(f"this rank died while writing {f}")
+
+    if rank == world - 1:
+        torch.save = dying_save
+    try:
+        fn(shard, step, folder)
+    except _SimulatedCrash:
+        return True
+    finally:
+        torch.save = real
+    return False
+
+
 def _rs_load_worker(fn, folder: str, numel: int) -> dict:
     """Each rank: ``fn(numel, folder) -> (shard, step)``, with the files it read counted."""
     import torch
@@ -627,6 +661,8 @@ def resharded_checkpoint(save_fn, load_fn) -> str:
     9 and then of step 10 in the same folder. Each rank's loaded slice and step must be the
     newest checkpoint's, in its dtype; no collective may move the data (only small ones), and a
     rank may read only the files whose slices overlap its own (and one more, for metadata).
+    Then step 11 is saved on 4 ranks with the last rank dying halfway through its first
+    torch.save: a load on 2 ranks must still return step 10, the newest complete checkpoint.
 
     Example::
 
@@ -694,6 +730,52 @@ def resharded_checkpoint(save_fn, load_fn) -> str:
                              "most one small file of metadata): a rank that reads every "
                              "slice holds the whole model for a moment, which is what "
                              "sharding avoids; " + _RS_PLAN)
+    _rs_judge_crash(save_fn, load_fn)
     return ("saved on 4 and loaded on 2, saved on 2 and loaded on 4 (uneven slices, an empty "
             "one, float64 and float32): every rank got its new slice of the newest step, no "
-            "data over the wire, only the overlapping files read")
+            "data over the wire, only the overlapping files read; a save cut short on one "
+            "rank left the step before it loadable")
+
+
+_RS_CRASH_HINT = ("a checkpoint is complete only once every rank's file is whole: write each "
+                  "file to a temporary name and os.replace it onto its real name (a rename is "
+                  "atomic), and have load skip steps with a file missing and names it does "
+                  "not know (the leftover temporary files)")
+
+
+def _rs_judge_crash(save_fn, load_fn) -> None:
+    """Save steps 9 and 10 on 4 ranks, then step 11 with the last rank dying mid-write; the
+    load on 2 ranks must find step 10, the newest checkpoint that every rank finished."""
+    import tempfile
+
+    import torch
+
+    saved_on, loaded_on, numel, dtype = _RS_CASES[0]
+    newest, cut = _RS_STEPS[-1], _RS_STEPS[-1] + 1
+    where = (f"saved on {saved_on} ranks, then step {cut} cut short while rank {saved_on - 1} "
+             f"wrote its file; loaded on {loaded_on}")
+    with tempfile.TemporaryDirectory(prefix="labkit-reshard-") as folder:
+        on_ranks(_rs_save_worker, save_fn, folder, numel, dtype, nproc=saved_on,
+                 timeout=_RS_TIMEOUT)
+        try:
+            died = on_ranks(_rs_crash_worker, save_fn, folder, numel, dtype, cut,
+                            nproc=saved_on, timeout=20.0)
+        except NotYet as wrong:
+            if not wrong.stuck:
+                raise
+            died = None  # the others waited in a collective for the dead rank, as in a real job
+        if died is not None and not any(died):
+            return  # the save never called torch.save: nothing this simulation can cut short
+        try:
+            loads = on_ranks(_rs_load_worker, load_fn, folder, numel, nproc=loaded_on,
+                             timeout=_RS_TIMEOUT)
+        except NotYet as wrong:
+            raise NotYet(f"{where}: load failed ({wrong.detail.splitlines()[0]:.160})",
+                         _RS_CRASH_HINT) from None
+    want = _rs_flat(numel, dtype, newest)
+    for rank, (got, (lo, hi)) in enumerate(zip(loads, _rs_ranges(numel, loaded_on),
+                                               strict=True)):
+        if got["step"] != newest or got["shard"] is None or not torch.equal(got["shard"],
+                                                                           want[lo:hi]):
+            raise NotYet(f"{where}: rank {rank} loaded step {got['step']}; the newest complete "
+                         f"checkpoint is step {newest}", _RS_CRASH_HINT)
