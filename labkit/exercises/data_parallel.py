@@ -8,6 +8,10 @@ the grader compares the ranks with each other and with a one-process reference, 
 with the one the exercise teaches.
 Each grader returns what it verified, or raises :class:`labkit.check.NotYet` with a hint that
 names the likely mistake.
+
+One room past 800 lines on purpose: it is the notebook's graders and nothing else (the module a
+notebook imports as ``exercise``), and each grader keeps its worker, reference and hints beside
+it so that one exercise reads in one place; the challenge is the last section.
 """
 
 from __future__ import annotations
