@@ -759,7 +759,7 @@ def _rs_judge_crash(save_fn, load_fn) -> None:
                  timeout=_RS_TIMEOUT)
         try:
             died = on_ranks(_rs_crash_worker, save_fn, folder, numel, dtype, cut,
-                            nproc=saved_on, timeout=20.0)
+                            nproc=saved_on, timeout=10.0)  # a write takes milliseconds
         except NotYet as wrong:
             if not wrong.stuck:
                 raise
