@@ -307,33 +307,7 @@ def test_labkits_fixed_job_passes():
 
 def stop_when_any_rank_wants(epochs=10, patience=1):
     """The job with a stop flag all-reduced with MAX: no hang, but it stops too early."""
-    import torch.nn.functional as F
-
-    rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(64, 4, generator=gen)
-    y = x.sum(1, keepdim=True)
-    val_x = torch.randn(32, 4, generator=gen)
-    val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    best, worse, history = float("inf"), 0, []
-    for _ in range(epochs):
-        model.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p -= 0.1 * p.grad / dist.get_world_size()
-            val = F.mse_loss(model(val_x), val_y).item()
-        history.append(round(val, 5))
-        worse = 0 if val < best else worse + 1
-        best = min(best, val)
-        stop = torch.tensor([float(worse > patience)])
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop.item():
-            break
-    return {"epochs": len(history), "val": history}
+    return job(epochs, patience, stop=dist.ReduceOp.MAX)
 
 
 def test_early_stop_together_wrong_any_rank_stops_every_rank():
