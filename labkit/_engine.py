@@ -37,6 +37,7 @@ from ._protocol import (
     CONTINUES,
     END_OF_TASK,
     ERRORS,
+    PIDS,
     READY,
     RESULTS,
     STACK_SIGNAL,
@@ -133,11 +134,20 @@ def supervise(run: Run, job: Job, nproc: int, timeout, show_ranks, command,
     out = _Output(show_ranks)
     watch = _Watch(run, job, nproc, timeout, task, max_restarts)
     keep = []  # a warm run that went well leaves its ranks running for the next
+    # A cold run, or warm workers' first start, takes seconds before the function runs
+    # (torch imported, the group formed): say so at once, and how long it took. An empty
+    # show_ranks asks for silence (a check's run): none of that either.
+    starting = (task is None or task.number == 0) and out.show != set()
+    if starting:
+        out.bars.starting(nproc)
     with Shield(lambda: (keep and keep[0]) or stop_run(run)):
         try:
             done = False
             while not done:
                 lines, done = _drain(run.lines)
+                if starting and watch.up():  # before the lines: the first ones are the run's
+                    out.bars.ready()
+                    starting = False
                 for line in lines:
                     if task is not None:
                         line = task.take(line)
@@ -150,6 +160,8 @@ def supervise(run: Run, job: Job, nproc: int, timeout, show_ranks, command,
                 if not done:
                     done = watch.check(out)
             ended = task is not None and task.ended_by_all(nproc)  # the warm ranks live on
+            if starting and watch.up():
+                out.bars.ready()
             if not ended:
                 try:
                     run.proc.wait(timeout=2 * GRACE)
@@ -174,8 +186,11 @@ def supervise(run: Run, job: Job, nproc: int, timeout, show_ranks, command,
                                 out.agent_log)
         except KeyboardInterrupt:
             stopped = stop_run(run)
+            out.bars.end_line()
             print(f"[labkit] interrupted: stopped torchrun and {stopped} worker process(es)")
             raise
+        finally:  # the bars become a static summary, whatever ended the run
+            out.bars.finish()
 
 
 @dataclasses.dataclass
@@ -295,9 +310,18 @@ class _Watch:
                              started=self.clock is not None, task=task,
                              returned=self.returned_at is not None)
         if now - self.last_output > _HEARTBEAT:
+            out.bars.end_line()
             print(_progress_line(now - self.start, self.nproc - returned, self.nproc))
             self.last_output = now
         return False
+
+    def up(self) -> bool:
+        """Whether every rank is up: it has started the function (a warm rank: formed the
+        group; a script's rank, which forms its group itself: started)."""
+        if self.task is not None:
+            return self.task.ended_by_all(self.nproc)
+        pattern = PIDS if self.job.mode == "script" else READY
+        return len(list(self.run.run_dir.glob(pattern))) >= self.nproc
 
     def _overdue(self, now: float) -> bool:
         if self.clock is None:
@@ -355,6 +379,7 @@ class _Output:
                 del self.pieces[head]
                 self.route(f"{head}] {''.join(pieces)}")
         if self.shown:
+            self.bars.end_line()
             print("\n".join(self.shown), flush=True)  # one write per batch, not per line
             self.shown = []
 

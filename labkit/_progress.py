@@ -86,6 +86,8 @@ def _iterate(iterable, desc: str, total: int | None):
     finally:  # also after a break or an exception in the loop body
         _active -= 1
         bar.report(n, done=True)
+        if rank is None and _active == 0:  # the outer loop ended: its bars become a summary
+            bars.finish()
 
 
 class _Bar:
@@ -170,6 +172,12 @@ class ProgressBars:
     first update. ``rows`` maps ``(rank, loop depth)`` to the row's ``HBox`` (widgets) or its
     last state (text).
 
+    A launch that starts workers says so at once (``starting``) and how long they took once
+    they are up (``ready``): the first line of the widgets, or a text line. ``finish`` ends the
+    display: the widgets are replaced by a static summary (HTML and text) of where every bar
+    ended, so the saved notebook, GitHub and nbviewer show the run's progress, not a widget
+    that needs the kernel which drew it.
+
     Example::
 
         >>> bars = ProgressBars(widgets=False)
@@ -181,7 +189,81 @@ class ProgressBars:
     def __init__(self, widgets: bool | None = None):
         self.widgets = widgets
         self.box = None  # the ipywidgets VBox of all rows, shown with the first update
+        self.handle = None  # its display handle: the summary replaces it at the end
         self.rows: dict[tuple, object] = {}
+        self.last: dict[tuple, tuple] = {}  # (rank, depth) -> (rank, its last update)
+        self.header = ""  # "starting 2 workers ... ready in 3.1 s"
+        self.header_label = None
+        self.began: float | None = None
+        self.pending = False  # a text "starting ..." line waits for its end
+        self.finished = False
+
+    def _use_widgets(self) -> bool:
+        if self.widgets is None:
+            self.widgets = _notebook_widgets()
+        return self.widgets
+
+    def starting(self, nproc: int) -> None:
+        """Say that ``nproc`` workers are starting: at once, before any of them is up."""
+        self.began, self.nproc = time.monotonic(), nproc
+        self.header = f"starting {nproc} worker{'s' if nproc != 1 else ''} ..."
+        if self._use_widgets():
+            self._show_header()
+        else:  # the line ends when they are ready (or before anything else is printed)
+            print(f"[labkit] {self.header}", end="", flush=True)
+            self.pending = True
+
+    def ready(self) -> None:
+        """Say how long the workers took to start, once every one is up."""
+        if self.began is None or "ready in" in self.header:
+            return
+        seconds = time.monotonic() - self.began
+        self.header += f" ready in {seconds:.1f} s"
+        if self.widgets:
+            self._show_header()
+        elif self.pending:
+            print(f" ready in {seconds:.1f} s", flush=True)
+            self.pending = False
+        else:  # something came between: a line of its own
+            print(f"[labkit] {self.nproc} worker(s) ready in {seconds:.1f} s", flush=True)
+
+    def end_line(self) -> None:
+        """End a text "starting ..." line: something else is about to be printed."""
+        if self.pending:
+            print(flush=True)
+            self.pending = False
+
+    def finish(self) -> None:
+        """The run is over: leave a static summary in place of the widgets (text: end the line)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.began is not None and "ready in" not in self.header:
+            self.header += f" stopped after {time.monotonic() - self.began:.1f} s"
+            if self.widgets:
+                self._show_header()
+        self.end_line()
+        if self.handle is not None:
+            self.handle.update(self.summary(), raw=True)
+
+    def summary(self) -> dict:
+        """Where every bar ended, as ``text/plain`` and ``text/html``."""
+        import html
+
+        lines, rows = [], []
+        if self.header:
+            lines.append(self.header)
+            rows.append(f"<tr><td colspan='3'>{html.escape(self.header)}</td></tr>")
+        for key in sorted(self.last):
+            rank, update = self.last[key]
+            name, status = _name(rank, update.get("desc", "")), _status(update)
+            total, n = update.get("total"), update["n"]
+            lines.append(f"{name}: {status}")
+            most = max(total or n, 1)
+            rows.append(f"<tr><td>{html.escape(name)}</td><td><progress value='{min(n, most)}' "
+                        f"max='{most}'></progress></td><td>{html.escape(status)}</td></tr>")
+        return {"text/plain": "\n".join(lines) or "(no progress reported)",
+                "text/html": "<table>" + "".join(rows) + "</table>"}
 
     def feed(self, rank: int | None, text: str) -> None:
         """Take one progress line (its text after the rank prefix) from ``rank``."""
@@ -191,13 +273,38 @@ class ProgressBars:
 
     def update(self, rank: int | None, update: dict) -> None:
         """Show ``update`` (n, total, desc, elapsed, done) on the row of ``rank``."""
-        if self.widgets is None:
-            self.widgets = _notebook_widgets()
         key = (-1 if rank is None else rank, int(update.get("pos", 0)))
-        if self.widgets:
+        self.last[key] = (rank, update)
+        if self._use_widgets():
             self._widget_update(key, rank, update)
         else:
             self._text_update(key, rank, update)
+
+    def _show(self) -> None:
+        """Display the widgets' box (once), updatable in place by its display handle."""
+        if self.box is not None:
+            return
+        import ipywidgets as w
+        from IPython.display import display
+
+        self.box = w.VBox()
+        bundle = self.box._repr_mimebundle_()
+        # What a reader without the live widget sees if the run never finished (kernel gone).
+        bundle["text/plain"] = "progress bars of a run (live while it runs; run the cell again)"
+        self.handle = display(bundle, raw=True, display_id=True)
+
+    def _layout(self) -> None:
+        heads = () if self.header_label is None else (self.header_label,)
+        self.box.children = heads + tuple(self.rows[k] for k in sorted(self.rows))
+
+    def _show_header(self) -> None:
+        import ipywidgets as w
+
+        self._show()
+        if self.header_label is None:
+            self.header_label = w.Label()
+            self._layout()
+        self.header_label.value = self.header
 
     def _widget_update(self, key: tuple, rank: int | None, update: dict) -> None:
         import ipywidgets as w
@@ -206,12 +313,8 @@ class ProgressBars:
         if row is None:
             row = w.HBox([w.Label(), w.IntProgress(min=0, max=1), w.Label()])
             self.rows[key] = row
-            if self.box is None:
-                from IPython.display import display
-
-                self.box = w.VBox()
-                display(self.box)
-            self.box.children = tuple(self.rows[k] for k in sorted(self.rows))
+            self._show()
+            self._layout()
         label, bar, status = row.children
         n, total = update["n"], update.get("total")
         label.value = _name(rank, update.get("desc", ""))
@@ -232,6 +335,7 @@ class ProgressBars:
         if not due:
             return
         state.update(tenth=tenth, n=n, at=now)
+        self.end_line()
         prefix = "" if rank is None else f"[rank{rank}] "
         print(f"{prefix}{update.get('desc') or 'progress'}: {_status(update)}", flush=True)
 

@@ -3,8 +3,15 @@
 Each explorer joins three rooms that must not know each other: the computation (``augment``,
 ``parallel.schedules``, ``planner``), the figure (``plots``) and the widgets (ipywidgets). Here
 they meet in one place, so ``plots`` stays free of computation and the computing rooms free of
-widgets. An explorer returns an ``ipywidgets.VBox`` with what it shows as attributes, so a test
-(or a curious learner) can move a control and read the result without a browser.
+widgets. An explorer returns an ``ipywidgets.VBox`` of its controls with what it shows as
+attributes (``figure`` and ``message``, each an :class:`Shown`), so a test (or a curious
+learner) can move a control and read the result without a browser.
+
+What an explorer shows is no widget: the figure and its text are ordinary outputs of the cell
+(a PNG, text and HTML), displayed beside the controls and replaced in place at every change.
+A notebook saved and reopened, or read on GitHub or nbviewer, where no kernel holds the
+widgets, still shows the last figure and its numbers; running the cell again brings the
+controls back.
 
 - :func:`augmentation_explorer` (notebook 01): every ``AugmentConfig`` setting over a grid.
 - :func:`schedule_explorer` (notebook 10): ranks, micro-batches and chunks over a timeline.
@@ -15,16 +22,19 @@ ipywidgets and matplotlib are imported inside each function: ``import labkit`` s
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import functools
+import html
 
 from . import plots
 
-__all__ = ["augmentation_explorer", "schedule_explorer", "planner_explorer"]
+__all__ = ["augmentation_explorer", "schedule_explorer", "planner_explorer", "Shown"]
 
 
 def _png(fig) -> bytes:
-    """``fig`` as PNG bytes for an ``ipywidgets.Image``; the figure is closed so that pyplot does
-    not show it a second time below the widget."""
+    """``fig`` as PNG bytes; the figure is closed so that pyplot does not show it a second time
+    below the explorer."""
     import io
 
     from matplotlib import pyplot as plt
@@ -33,6 +43,90 @@ def _png(fig) -> bytes:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
+
+
+class Shown:
+    """One ordinary output of an explorer's cell (its figure, or its text), kept up to date.
+
+    ``data`` is the latest MIME bundle (``image/png`` and ``text/plain`` for a figure,
+    ``text/html`` and ``text/plain`` for a text; ``{"text/plain": ""}`` when there is nothing to
+    show). Once the explorer is displayed, every change replaces the output in place through
+    its display handle, so the notebook file always holds the last state: that is what a
+    reopened notebook, GitHub and nbviewer show.
+    """
+
+    def __init__(self):
+        self.data: dict = {"text/plain": ""}
+        self.handles: list = []
+
+    @property
+    def png(self) -> bytes | None:
+        """The figure's PNG bytes, or None when no figure is shown."""
+        data = self.data.get("image/png")
+        return None if data is None else base64.b64decode(data)
+
+    @property
+    def text(self) -> str:
+        return self.data.get("text/plain", "")
+
+    def figure(self, png: bytes, alt: str) -> None:
+        self._set({"image/png": base64.b64encode(png).decode("ascii"), "text/plain": alt})
+
+    def message(self, text: str, html_text: str | None = None) -> None:
+        self._set({"text/plain": text,
+                   "text/html": html_text if html_text is not None else
+                   f"<pre>{html.escape(text)}</pre>"})
+
+    def clear(self) -> None:
+        self._set({"text/plain": ""})
+
+    def _set(self, data: dict) -> None:
+        self.data = data
+        for handle in self.handles:
+            handle.update(data, raw=True)
+
+    def show(self) -> None:
+        """Display it as an output of the running cell, to be replaced in place later."""
+        from IPython.display import display
+
+        handle = display(self.data, raw=True, display_id=True)
+        if handle is not None:  # None outside IPython: it was printed, nothing to update
+            self.handles.append(handle)
+
+
+@functools.cache
+def _explorer_type():
+    import ipywidgets as widgets
+
+    class Explorer(widgets.VBox):
+        """An explorer's controls; displayed, its outputs (``shows``) follow it in the cell.
+
+        Its ``text/plain`` (what a reader without the widget sees: GitHub, nbviewer, a
+        notebook reopened without saved widget state) says what the controls are for.
+        """
+
+        def __repr__(self) -> str:
+            return self.about
+
+        def _repr_mimebundle_(self, **kwargs):
+            bundle = super()._repr_mimebundle_(**kwargs)
+            bundle["text/plain"] = self.about  # whole: ipywidgets cuts a repr at 110 characters
+            return bundle
+
+        def _ipython_display_(self) -> None:
+            from IPython.display import display
+
+            display(self._repr_mimebundle_(), raw=True)
+            for shown in self.shows:
+                shown.show()
+
+    return Explorer
+
+
+def _explorer(children, about: str, shows: list[Shown]):
+    box = _explorer_type()(children)
+    box.about, box.shows = about, shows
+    return box
 
 
 # ---- augmentation (notebook 01) ---------------------------------------------------------------
@@ -54,9 +148,10 @@ _SLIDERS = {
 def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, seed: int = 0):
     """Sliders for every ``AugmentConfig`` setting over a live augmentation grid of ``image``.
 
-    Moving a slider redraws the grid (same seed, so only the changed setting moves things).
-    The returned VBox has a ``config()`` method giving the chosen ``AugmentConfig``, ready for
-    ``labkit.augment.augmentation(size, config=...)`` or ``gpu_augment``.
+    Moving a slider redraws the grid (same seed, so only the changed setting moves things); the
+    grid is an ordinary output of the cell (``figure``), so the last one stays in the saved
+    notebook. The returned VBox has a ``config()`` method giving the chosen ``AugmentConfig``,
+    ready for ``labkit.augment.augmentation(size, config=...)`` or ``gpu_augment``.
 
     Example::
 
@@ -77,7 +172,7 @@ def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, s
                                         description=label, continuous_update=False,
                                         style={"description_width": "initial"})
                for key, (label, lo, hi, step) in _SLIDERS.items()}
-    picture = widgets.Image(format="png")
+    picture = Shown()
 
     def config():
         settings = {k: s.value for k, s in sliders.items() if k != "zoom"}
@@ -86,7 +181,8 @@ def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, s
     def redraw(_change=None):
         transform = augmentation(size, kind="standard", config=config(), normalize=False)
         fig = plots.augmentation_grid(arr, transform, n=n, seed=seed)
-        picture.value = _png(fig)
+        settings = ", ".join(f"{s.description} {s.value:g}" for s in sliders.values())
+        picture.figure(_png(fig), f"augmentation grid, {n} draws: {settings}")
 
     for slider in sliders.values():
         slider.observe(redraw, names="value")
@@ -94,8 +190,11 @@ def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, s
     half = (len(sliders) + 1) // 2
     columns = [widgets.VBox(list(sliders.values())[:half]),
                widgets.VBox(list(sliders.values())[half:])]
-    box = widgets.VBox([widgets.HBox(columns), picture])
-    box.config = config
+    box = _explorer([widgets.HBox(columns)],
+                    "Augmentation explorer: its sliders (rotation, zoom, shift, flip, colour) "
+                    "need a running kernel; run the cell to move them. Below: the last grid "
+                    "drawn.", [picture])
+    box.config, box.figure = config, picture
     return box
 
 
@@ -108,9 +207,11 @@ def schedule_explorer(stages: int = 4, m: int = 8, chunks: int = 2,
 
     Every change re-simulates (:func:`labkit.parallel.schedules.schedule_timeline`), redraws the
     timeline (``draw``, by default ``labkit.plots.schedule_timeline_plot``) and prints the bubble
-    beside the formula's, the activations held and the messages. The returned VBox has
-    ``update()`` (redraw now) and ``result`` (the last ``schedule_timeline`` dict, or None after
-    an error, whose message is shown instead of the figure).
+    beside the formula's, the activations held and the messages. The chunks slider is for the
+    schedules that split a rank's layers into chunks (interleaved 1F1B, zero bubble): for GPipe
+    and 1F1B it shows 1 and is disabled. The returned VBox has ``update()`` (redraw now),
+    ``result`` (the last ``schedule_timeline`` dict, or None after an error, whose message
+    replaces the figure), ``controls``, and ``message`` and ``figure`` (what the cell shows).
 
     Example::
 
@@ -132,36 +233,60 @@ def schedule_explorer(stages: int = 4, m: int = 8, chunks: int = 2,
         "name": widgets.Dropdown(options=list(SCHEDULE_NAMES), value=schedule,
                                  description="schedule", style=style),
     }
-    picture, text = widgets.Image(format="png"), widgets.HTML()
+    text, picture = Shown(), Shown()
+    # The chunks chosen for a chunked schedule, kept while a one-chunk schedule shows 1.
+    state = {"chunks": chunks, "busy": False}
+
+    def fit_chunks():
+        """Show the chunks the chosen schedule runs: 1, disabled, for GPipe and 1F1B."""
+        slider, chunked = controls["chunks"], controls["name"].value not in ("gpipe", "1f1b")
+        state["busy"] = True  # one redraw for the whole change, not one per control
+        try:
+            if chunked and slider.disabled:
+                slider.disabled, slider.value = False, state["chunks"]
+            elif not chunked and not slider.disabled:
+                state["chunks"] = slider.value
+                slider.value, slider.disabled = 1, True
+        finally:
+            state["busy"] = False
 
     def update(_change=None):
+        if state["busy"]:
+            return box.result
+        fit_chunks()
         values = {key: c.value for key, c in controls.items()}
-        if values["name"] in ("gpipe", "1f1b"):
-            values["chunks"] = 1  # one chunk per rank: the slider is for the other two
+        if controls["chunks"].disabled:  # a one-chunk schedule, whatever the slider was set to
+            values["chunks"] = 1
         try:
             result = schedule_timeline(values["name"], values["stages"], values["m"],
                                        values["chunks"])
         except ValueError as err:
             box.result = None
-            text.value = f"<b>cannot draw this one:</b> {err}"
+            picture.clear()  # no figure rather than the previous one under this message
+            text.message(f"cannot draw this one: {err}",
+                         f"<b>cannot draw this one:</b> {html.escape(str(err))}")
             return None
         formula = result["formula"]
-        text.value = (f"bubble {result['bubble']:.3f} of the step, formula "
-                      f"{'none (m < p)' if formula is None else f'{formula:.3f}'}; "
-                      f"idle / compute {result['idle_per_compute']:.3f}; activations held "
-                      f"(stages' worth) {[round(x, 2) for x in result['peak_in_flight']]}; "
-                      f"{result['messages']} messages")
-        fig = draw(result["events"], title=f"{values['name']}: p={values['stages']}, "
-                                           f"m={values['m']}, v={values['chunks']}")
-        picture.value = _png(fig)
+        text.message(f"bubble {result['bubble']:.3f} of the step, formula "
+                     f"{'none (m < p)' if formula is None else f'{formula:.3f}'}; "
+                     f"idle / compute {result['idle_per_compute']:.3f}; activations held "
+                     f"(stages' worth) {[round(x, 2) for x in result['peak_in_flight']]}; "
+                     f"{result['messages']} messages")
+        title = (f"{values['name']}: p={values['stages']}, m={values['m']}, "
+                 f"v={values['chunks']}")
+        picture.figure(_png(draw(result["events"], title=title)), f"timeline of {title}")
         box.result = result
         return result
 
     for control in controls.values():
         control.observe(update, names="value")
-    box = widgets.VBox([widgets.HBox(list(controls.values())[:2]),
-                        widgets.HBox(list(controls.values())[2:]), text, picture])
-    box.update, box.result = update, None
+    box = _explorer([widgets.HBox(list(controls.values())[:2]),
+                     widgets.HBox(list(controls.values())[2:])],
+                    "Pipeline schedule explorer: its sliders (ranks, micro-batches, chunks) "
+                    "and schedule menu need a running kernel; run the cell to move them. "
+                    "Below: the last timeline drawn and its bubble.", [text, picture])
+    box.update, box.result, box.controls = update, None, controls
+    box.message, box.figure = text, picture
     update()
     return box
 
@@ -178,7 +303,9 @@ def planner_explorer(model=None, cluster=None):
     checkpointing and sequence parallelism. Every change redraws ``plots.planner_plot``: the
     memory per device as a stacked bar against the usable memory, and the bytes sent per
     dimension; below it the verdict and ``why``. The returned VBox has ``update()`` (redraw
-    now) and ``plan()`` (the current Plan, or None when the layout is refused).
+    now), ``plan()`` (the current Plan, or None when the layout is refused), ``controls``, and
+    ``figure`` and ``message`` (what the cell shows: ordinary outputs, kept in the saved
+    notebook).
 
     Example::
 
@@ -207,7 +334,7 @@ def planner_explorer(model=None, cluster=None):
                                continuous_update=False)
     ckpt = widgets.Checkbox(description="activation checkpointing")
     sp = widgets.Checkbox(value=True, description="sequence parallelism")
-    picture, text = widgets.Image(format="png"), widgets.HTML()
+    picture, text = Shown(), Shown()
     state = {"plan": None, "busy": False}
 
     def current():
@@ -230,13 +357,14 @@ def planner_explorer(model=None, cluster=None):
             p = plan(*current())
         except PlanError as refused:
             state["plan"] = None
-            text.value = f"<b>refused:</b> {refused}"
+            picture.clear()  # no figure of the previous layout under this one's refusal
+            text.message(f"refused: {refused}",
+                         f"<b>refused:</b> {html.escape(str(refused))}")
             return
         state["plan"] = p
         fig = plots.planner_plot([p.row(f"{p.degrees}")])
-        picture.value = _png(fig)
-        lines = str(p).replace("&", "&amp;").replace("<", "&lt;").splitlines()
-        text.value = "<pre>" + "\n".join(lines) + "</pre>"
+        picture.figure(_png(fig), f"memory per device and bytes sent: {menu.value}, {p.degrees}")
+        text.message(str(p))
 
     def load(_change=None):
         m, cl, d = presets[menu.value]
@@ -253,10 +381,12 @@ def planner_explorer(model=None, cluster=None):
     for control in (*sliders.values(), zero, micro, chunks, ckpt, sp):
         control.observe(update, names="value")
     load()
-    box = widgets.VBox([menu, widgets.HBox([widgets.VBox(list(sliders.values())),
-                                            widgets.VBox([zero, micro, chunks, ckpt, sp])]),
-                        picture, text])
-    box.update = update
+    box = _explorer([menu, widgets.HBox([widgets.VBox(list(sliders.values())),
+                                         widgets.VBox([zero, micro, chunks, ckpt, sp])])],
+                    "Parallelism planner explorer: its preset menu, degree sliders and "
+                    "switches need a running kernel; run the cell to move them. Below: the "
+                    "last plan drawn and its verdict.", [picture, text])
+    box.update, box.figure, box.message = update, picture, text
     box.plan = lambda: state["plan"]
     box.controls = {"preset": menu, **sliders, "zero": zero, "micro_batch": micro,
                     "microbatches": chunks, "checkpointing": ckpt, "sp": sp}

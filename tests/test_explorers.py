@@ -1,7 +1,9 @@
 """labkit.explorers: each explorer is built, a control is moved, and what it shows follows.
 
-The rendering is ipywidgets' and happens in the browser; here a control's value is set as a
-slider would set it and the explorer's picture, text and result are read back.
+The controls are ipywidgets and render in the browser; here a control's value is set as a
+slider would set it and the explorer's figure, text and result are read back. The figure and
+text are ordinary outputs of the cell, updated in place through display handles: what they
+last held is what a saved notebook shows without a kernel.
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def test_augmentation_explorer_redraws_when_a_slider_moves(monkeypatch):
                + explorer.children[0].children[1].children}
     assert set(sliders) == {"rotation (deg)", "zoom", "shift", "flip p", "brightness",
                             "contrast", "saturation", "hue"}
-    picture = explorer.children[1]
-    assert isinstance(picture, widgets.Image) and picture.value[:4] == b"\x89PNG"
+    picture = explorer.figure
+    assert picture.png[:4] == b"\x89PNG" and "rotation (deg)" in picture.text
     assert len(draws) == 1
-    before = picture.value
+    before = picture.png
     sliders["rotation (deg)"].value = 60
     sliders["zoom"].value = 0.5
-    assert len(draws) == 3 and picture.value != before
+    assert len(draws) == 3 and picture.png != before
     config = explorer.config()
     assert config.rotation == 60 and config.scale == (0.5, 1.0)
 
@@ -73,14 +75,121 @@ def test_augmentation_explorer_rejects_a_bad_image():
 def test_schedule_explorer_updates_and_reports():
     box = schedule_explorer(stages=2, m=4, chunks=2)
     assert box.result["name"] == "interleaved 1f1b" and box.result["chunks"] == 2
-    assert bytes(box.children[-1].value).startswith(b"\x89PNG")
-    assert "bubble 0.111 of the step, formula 0.111" in box.children[-2].value
-    sliders = box.children[0].children + box.children[1].children
-    sliders[1].value = 3  # m=3 does not split into groups of 2: the message, not a figure
-    assert box.result is None and "not a multiple of 2" in box.children[-2].value
-    sliders[3].value = "gpipe"  # the chunks slider is ignored for one-chunk schedules
+    assert box.figure.png.startswith(b"\x89PNG") and "v=2" in box.figure.text
+    assert "bubble 0.111 of the step, formula 0.111" in box.message.text
+    controls = box.controls
+    controls["m"].value = 3  # m=3 does not split into groups of 2: the message, not a figure
+    assert box.result is None and "not a multiple of 2" in box.message.text
+    assert box.figure.png is None, "the figure of m=4 is gone: it is not this one"
+    controls["name"].value = "gpipe"
     assert box.result["name"] == "gpipe" and box.result["chunks"] == 1
     assert box.update()["m"] == 3
+
+
+def test_schedule_explorer_disables_chunks_for_one_chunk_schedules():
+    box = schedule_explorer(stages=4, m=8, chunks=2)
+    chunks = box.controls["chunks"]
+    assert not chunks.disabled and chunks.value == 2
+    box.controls["name"].value = "1f1b"
+    assert chunks.disabled and chunks.value == 1, "the slider says what the timeline runs"
+    assert box.result["chunks"] == 1 and "v=1" in box.figure.text
+    box.controls["name"].value = "zero bubble"  # chunked too: the learner's 2 comes back
+    assert not chunks.disabled and chunks.value == 2 and box.result["chunks"] == 2
+    box.controls["name"].value = "interleaved 1f1b"
+    assert not chunks.disabled and box.result["chunks"] == 2
+    started = schedule_explorer(chunks=3, schedule="gpipe")
+    assert started.controls["chunks"].disabled and started.result["chunks"] == 1
+    started.controls["name"].value = "interleaved 1f1b"
+    assert started.controls["chunks"].value == 3
+
+
+class _Handle:
+    """What IPython.display.display returns with display_id=True: it records the updates."""
+
+    def __init__(self, data):
+        self.data, self.updates = data, []
+
+    def update(self, data, raw=False):
+        assert raw
+        self.data = data
+        self.updates.append(data)
+
+
+@pytest.fixture
+def displayed(monkeypatch):
+    """Every display() call, as (data, handle); the handles follow their updates."""
+    import IPython.display
+
+    shown = []
+
+    def display(data, raw=False, display_id=None):
+        assert raw and isinstance(data, dict)
+        handle = _Handle(data) if display_id else None
+        shown.append((data, handle))
+        return handle
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    return shown
+
+
+def test_a_displayed_explorer_leaves_its_figure_and_text_as_ordinary_outputs(displayed):
+    import base64
+
+    box = schedule_explorer(stages=2, m=4, chunks=2)
+    box._ipython_display_()  # what IPython does with a cell's last value
+    (controls, none), (text, text_handle), (figure, figure_handle) = displayed
+    assert none is None and "application/vnd.jupyter.widget-view+json" in controls
+    assert controls["text/plain"].startswith("Pipeline schedule explorer"), "not a bare VBox()"
+    assert "bubble 0.111" in text["text/plain"] and "<" in text["text/html"]
+    assert base64.b64decode(figure["image/png"])[:4] == b"\x89PNG"
+    box.controls["m"].value = 6  # a move updates the outputs in place, in the saved notebook too
+    assert "bubble 0.077" in text_handle.data["text/plain"]
+    assert figure_handle.data["image/png"] != figure["image/png"]
+    assert "m=6" in figure_handle.data["text/plain"]
+    box.controls["m"].value = 5
+    assert figure_handle.data == {"text/plain": ""}, "no stale figure under the message"
+    assert "cannot draw this one" in text_handle.data["text/plain"]
+
+
+def test_the_other_explorers_show_their_figures_as_ordinary_outputs(displayed):
+    planner = planner_explorer(SEVEN_B, Cluster(devices=8, memory_gib=80))
+    planner._ipython_display_()
+    augment = augmentation_explorer(_photo(), image_size=24, n=2)
+    augment._ipython_display_()
+    kinds = [sorted(data) for data, _ in displayed]
+    assert kinds == [["application/vnd.jupyter.widget-view+json", "text/plain"],
+                     ["image/png", "text/plain"], ["text/html", "text/plain"],
+                     ["application/vnd.jupyter.widget-view+json", "text/plain"],
+                     ["image/png", "text/plain"]]
+    assert "planner" in displayed[0][0]["text/plain"] and "grid" in displayed[4][0]["text/plain"]
+    figure_handle = displayed[1][1]
+    planner.controls["zero"].value = 1
+    assert figure_handle.updates and figure_handle.data["image/png"]
+    assert "fits" in displayed[2][1].data["text/plain"]
+
+
+def test_explorers_display_through_ipython_as_updatable_outputs():
+    """The real IPython display machinery: the outputs carry display ids that updates name."""
+    from IPython.core.displaypub import CapturingDisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    had = InteractiveShell.initialized()
+    shell = InteractiveShell.instance()
+    publisher, shell.display_pub = shell.display_pub, CapturingDisplayPublisher()
+    try:
+        box = schedule_explorer(stages=2, m=4, chunks=2)
+        shell.display_formatter.format(box)  # _ipython_display_ displays, returns nothing
+        outputs = shell.display_pub.outputs
+        assert len(outputs) == 3
+        figure_id = outputs[2]["transient"]["display_id"]
+        box.controls["m"].value = 6
+        updates = [o for o in outputs[3:] if o["update"]]
+        assert figure_id in {o["transient"]["display_id"] for o in updates}
+        assert any("image/png" in o["data"] for o in updates)
+    finally:
+        shell.display_pub = publisher
+        if not had:
+            InteractiveShell.clear_instance()
 
 
 # ---- the planner (notebook 10) ---------------------------------------------------------------
@@ -93,17 +202,18 @@ def test_planner_explorer_builds_redraws_and_reports_refusals():
     assert isinstance(box, widgets.VBox)
     controls = box.controls
     assert controls["preset"].options[0] == "yours" and "llama3-405b" in controls["preset"].options
-    picture = box.children[2]
-    assert picture.value[:4] == b"\x89PNG"
+    picture = box.figure
+    assert picture.png[:4] == b"\x89PNG"
     assert box.plan().degrees == Degrees(dp=8, microbatches=1) and not box.plan().fits
     controls["zero"].value = 1
-    assert box.plan().fits and "fits" in box.children[3].value
-    before = picture.value
+    assert box.plan().fits and "fits" in box.message.text
+    before = picture.png
     controls["tp"].value = 2
-    assert box.plan().degrees.dp == 4 and picture.value != before
+    assert box.plan().degrees.dp == 4 and picture.png != before
     controls["tp"].value = 8
     controls["pp"].value = 2  # 16 ranks on 8 devices: refused, and said so
-    assert box.plan() is None and "refused" in box.children[3].value
+    assert box.plan() is None and "refused" in box.message.text
+    assert picture.png is None, "no figure of the last layout under the refusal"
     controls["preset"].value = "gpt3-175b"
     assert box.plan().fits and box.plan().degrees.pp == 8
     box.update()

@@ -30,6 +30,9 @@ def test_a_progress_line_round_trips_and_other_lines_are_not_one():
 def test_two_launched_ranks_each_reach_the_end_and_the_marker_stays_out_of_the_output(capsys):
     res = labkit.launch(count_with_progress, 50, nproc=2)
     out = capsys.readouterr().out
+    first = out.splitlines()[0]  # said at once, and how long the start took once they were up
+    assert first.startswith("[labkit] starting 2 workers ... ready in ") and first.endswith(" s")
+    assert float(first.split()[-2]) > 0
     for rank in (0, 1):
         assert f"[rank{rank}] progress: 50/50 (100%) in " in out
         assert res.logs[rank] == ["counted 50"], "only what the rank printed is kept"
@@ -129,3 +132,107 @@ def test_widget_bars_show_one_row_per_rank_with_its_values(capsys):
     bars.update(0, {"id": 0, "n": 12, "total": 40, "desc": "train", "elapsed": 3.0, "done": True})
     assert (bar0.value, bar0.bar_style) == (12, "warning"), "a loop left early shows it"
     assert "stopped early" in status0.value
+
+
+class _Handle:
+    """What IPython.display.display returns with display_id=True: it records the updates."""
+
+    def __init__(self, data):
+        self.data, self.updates = data, []
+
+    def update(self, data, raw=False):
+        assert raw
+        self.data = data
+        self.updates.append(data)
+
+
+@pytest.fixture
+def displayed(monkeypatch):
+    """Every display() call, as (data, handle)."""
+    import IPython.display
+
+    shown = []
+
+    def display(data, raw=False, display_id=None):
+        assert raw and isinstance(data, dict)
+        handle = _Handle(data) if display_id else None
+        shown.append((data, handle))
+        return handle
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    return shown
+
+
+def test_widget_bars_end_as_a_static_summary_that_a_saved_notebook_keeps(displayed):
+    pytest.importorskip("ipywidgets")
+    bars = ProgressBars(widgets=True)
+    bars.update(0, {"id": 0, "n": 10, "total": 40, "desc": "train", "elapsed": 2.0})
+    bars.update(1, {"id": 0, "n": 40, "total": 40, "desc": "train", "elapsed": 4.0, "done": True})
+    [(live, handle)] = displayed
+    assert "application/vnd.jupyter.widget-view+json" in live
+    assert "VBox" not in live["text/plain"] and "progress" in live["text/plain"]
+    bars.finish()
+    summary = handle.data
+    assert summary["text/plain"].splitlines() == [
+        "rank 0 train: 10/40 (25%) 2.0 s, 5.0 it/s",
+        "rank 1 train: 40/40 (100%) in 4.0 s, 10.0 it/s"]
+    assert "<progress value='10' max='40'>" in summary["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" not in summary, "no widget left to need"
+    bars.finish()
+    assert len(handle.updates) == 1, "finished once"
+
+
+def test_widget_bars_say_the_workers_are_starting_then_how_long_it_took(displayed):
+    pytest.importorskip("ipywidgets")
+    bars = ProgressBars(widgets=True)
+    bars.starting(4)
+    [(_, handle)] = displayed
+    assert bars.box.children[0].value == "starting 4 workers ...", "shown before any bar"
+    bars.ready()
+    header = bars.box.children[0].value
+    assert header.startswith("starting 4 workers ... ready in ") and header.endswith(" s")
+    bars.update(2, {"id": 0, "n": 1, "total": 2, "desc": "", "elapsed": 0.5})
+    assert len(bars.box.children) == 2 and len(displayed) == 1, "one display for the run"
+    bars.finish()
+    assert handle.data["text/plain"].splitlines()[0] == header
+
+
+def test_text_says_starting_and_ready_on_one_line(capsys):
+    bars = ProgressBars(widgets=False)
+    bars.starting(2)
+    assert capsys.readouterr().out == "[labkit] starting 2 workers ...", "at once"
+    time.sleep(0.1)
+    bars.ready()
+    bars.ready()  # said once
+    bars.finish()
+    line = capsys.readouterr().out
+    assert line.startswith(" ready in ") and line.endswith(" s\n") and line.count("\n") == 1
+    assert float(line.split()[2]) >= 0.1
+
+
+def test_a_line_printed_before_the_workers_are_up_ends_the_starting_line(capsys):
+    bars = ProgressBars(widgets=False)
+    bars.starting(1)
+    bars.update(0, {"id": 0, "n": 1, "total": 1, "desc": "", "elapsed": 0.5, "done": True})
+    bars.ready()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[labkit] starting 1 worker ..."
+    assert lines[1].startswith("[rank0] progress: 1/1")
+    assert lines[2].startswith("[labkit] 1 worker(s) ready in ")
+    bars = ProgressBars(widgets=False)
+    bars.starting(2)
+    bars.finish()  # it failed before the workers were up: the line still ends
+    assert capsys.readouterr().out == "[labkit] starting 2 workers ...\n"
+
+
+def test_a_local_loop_in_the_notebook_leaves_a_summary_when_it_ends(monkeypatch, displayed):
+    pytest.importorskip("ipywidgets")
+    monkeypatch.delenv("LABKIT_CONTROLLER_PID", raising=False)
+    monkeypatch.setattr("labkit._progress._notebook_widgets", lambda: True)
+    for _ in labkit.progress(range(3), desc="outer"):
+        for _ in labkit.progress(range(2), desc="inner"):
+            pass
+    [(_, handle)] = displayed
+    assert handle.data["text/plain"].splitlines()[0].startswith("outer: 3/3 (100%) in ")
+    assert handle.data["text/plain"].splitlines()[1].startswith("inner: 2/2 (100%) in ")
+
