@@ -70,7 +70,7 @@ ifeq ($(NOTEBOOKS),)
 	@echo ">> no notebooks yet"
 else
 	LABKIT_PROFILE=smoke LABKIT_HOME=$(CURDIR)/.pytest_cache/labkit-home $(SINGLE_THREAD) \
-		$(PY) -m pytest -n $(NB_JOBS) $(XDIST) -p tests.notebook_budget \
+		$(PY) -m pytest -n $(NB_JOBS) $(XDIST) -p tests.notebook_budget -p tests.notebook_lines \
 		-p tests.solution_cells -p tests.timing_report --labkit-times=notebooks \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) $(NOTEBOOKS) \
 		$(sort $(wildcard solutions/*.ipynb))

@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 from . import profile
+from ._display import WIDTH, hang, show_verdict
 
 __all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "comparable", "solution",
            "progress", "assert_passed", "learner_traceback", "judged",
@@ -70,7 +71,12 @@ class Verdict:
         return f"[not yet] {self.exercise}: {self.detail}\n  hint: {self.hint}"
 
     def show(self) -> Verdict:
-        print(self)
+        """Show this verdict: a badge and its hint on its own line in Jupyter, else the text of
+        ``str(self)`` with its long lines wrapped."""
+        if self.passed:
+            show_verdict("pass", self.exercise, self.detail)
+        else:
+            show_verdict("not yet", self.exercise, self.detail, [("hint", self.hint)])
         return self
 
     def _ipython_display_(self) -> None:
@@ -513,7 +519,7 @@ def assert_passed(ids) -> None:
     failed = [i for i in ids if i in _LAST and not _LAST[i]]
     assert not missing and not failed, (f"exercises never checked: {missing}; checked but not "
                                         f"passed: {failed}")
-    print(f"all {len(ids)} exercises passed: {', '.join(ids)}")
+    print(hang(f"all {len(ids)} exercises passed: ", ", ".join(ids)))
 
 
 def progress_file() -> Path:
@@ -580,9 +586,26 @@ def progress(show: bool = True) -> Progress:
               f"(recorded in {progress_file()})")
         width = max(len(nb) for nb in by_notebook)
         for nb, exs in by_notebook.items():
-            marks = ", ".join(f"[{'pass' if e.id in passes else '    '}] {e.title}" for e in exs)
-            print(f"  {nb:<{width}}  {len(done[nb])} of {len(exs)}  {marks}")
+            marks = [f"[{'pass' if e.id in passes else '    '}] {e.title}" for e in exs]
+            print(_packed(f"  {nb:<{width}}  {len(done[nb])} of {len(exs)}  ", marks))
     return done
+
+
+def _packed(label: str, items: list[str]) -> str:
+    """``items`` after ``label``, comma-separated, as many to a line as fit: an item (an
+    exercise's mark and title) is never broken across lines, the lines after the first start
+    under the first item."""
+    lines, line = [], label
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if line.strip() and line != label and len(line) + 1 + len(piece) > WIDTH:
+            lines.append(line)
+            line = " " * len(label) + piece
+        else:
+            line += ("" if line == label else " ") + piece
+    lead = len(label) + len("[pass] ")  # a title too long for a line wraps under its start
+    return "\n".join(one if len(one) <= WIDTH else hang(one[:lead], one[lead:])
+                     for one in [*lines, line])
 
 
 # ---- claims: noisy figures and predictions -----------------------------------------------------
@@ -633,18 +656,18 @@ def in_band(claim: str, measured: float, low: float = -math.inf, high: float = m
         verdict = Verdict(claim, False, f"measured {_figure(measured)}; not judged at this size "
                                         f"(the cpu and gpu profiles expect {band})",
                           SMOKE_NOTE, judged=False)
-        print(f"[not judged at this size] {claim}: {verdict.detail}")
+        show_verdict("not judged at this size", claim, verdict.detail)
         return verdict
     inside = low <= measured <= high  # False for NaN too
     if not inside and retry is not None:
-        print(f"[measuring again] {claim}: measured {_figure(measured)}, not {band}; once "
-              f"more, in case the machine was busy")
+        show_verdict("measuring again", claim, f"measured {_figure(measured)}, not {band}; once "
+                                               f"more, in case the machine was busy")
         measured = float(retry())
         inside = low <= measured <= high
     verdict = Verdict(claim, inside, f"measured {_figure(measured)}, expected {band}",
                       "" if inside else f"likely cause: {cause}")
-    label = "as expected" if inside else "not as expected"
-    print(f"[{label}] {claim}: {verdict.detail}" + ("" if inside else f"\n  {verdict.hint}"))
+    show_verdict("as expected" if inside else "not as expected", claim, verdict.detail,
+                 [] if inside else [("likely cause", cause)])
     return verdict
 
 
@@ -664,21 +687,23 @@ def prediction(what: str, predicted, measured: float, *, rel: float = 0.25, unit
     """
     measured = float(measured)
     if predicted is Ellipsis or predicted is None:
-        print(f"[prediction] {what}: measured {_figure(measured)}{unit}. Write your prediction "
-              f"first next time (the `...` in the cell above), then run the measurement")
+        show_verdict("prediction", what, f"measured {_figure(measured)}{unit}. Write your "
+                                         f"prediction first next time (the `...` in the cell "
+                                         f"above), then run the measurement")
         return None
     predicted = float(predicted)
     if noisy and not judged():
         detail = (f"you said {_figure(predicted)}{unit}, measured {_figure(measured)}{unit}; "
                   f"not judged at this size")
-        print(f"[prediction] {what}: {detail} ({SMOKE_NOTE}; run the cpu profile to compare)")
+        show_verdict("prediction", what, f"{detail} ({SMOKE_NOTE}; run the cpu profile to "
+                                         f"compare)")
         return Verdict(what, False, detail, SMOKE_NOTE, judged=False)
     off = abs(predicted - measured) / max(abs(measured), 1e-12)
     close = off <= rel
     detail = (f"you said {_figure(predicted)}{unit}, measured {_figure(measured)}{unit} "
               f"({off:.0%} off: {'close' if close else 'not close'})")
     verdict = Verdict(what, close, detail, "" if close else why)
-    print(f"[prediction] {what}: {detail}" + ("" if close or not why else f"\n  why: {why}"))
+    show_verdict("prediction", what, detail, [] if close else [("why", why)])
     return verdict
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._display import hang, wrap
 from ._dist import collective_device, time_steps
 from ._sizes import divisors, whole
 from .bench import bus_bandwidth
@@ -573,11 +574,12 @@ def overlap_check(rows: list[dict], *, backend: str, cores: int | None = None) -
              f"noise is about that large") if noisy else None
     verdict = timing_verdict(claim, statistics.fmean(shares), band, below=noise or below,
                              above=noise or above, fmt="{:.0%}")
-    first, *cause = verdict["text"].split("\n")
-    lines = [first, f"  the band: {why}", *cause]
+    first, said, cause = verdict["text"].partition("\n  likely cause: ")
+    lines = [first, hang("  the band: ", why), *([said.lstrip("\n") + cause] if said else [])]
     if control is not None and not (noisy and verdict["cause"] == noise):  # else said above
-        lines.append(f"  control: one bucket hides {control:.0%} (nothing can hide there: this "
-                     f"run's noise{' is as large as the effect' if noisy else ''})")
+        lines.append(hang("  control: ", f"one bucket hides {control:.0%} (nothing can hide "
+                                         f"there: this run's noise"
+                                         f"{' is as large as the effect' if noisy else ''})"))
     return {**verdict, "text": "\n".join(lines), "control": control}
 
 
@@ -846,8 +848,8 @@ def timing_verdict(claim: str, measured: float, expected: tuple[float, float], *
     from .check import judged
 
     if not judged():  # the smoke profile: sizes far too small for a time to mean anything
-        text = (f"{claim}: measured {fmt.format(measured)}; not judged at this size (the cpu "
-                f"and gpu profiles expect {fmt.format(low)} to {fmt.format(high)})")
+        text = wrap(f"{claim}: measured {fmt.format(measured)}; not judged at this size (the "
+                    f"cpu and gpu profiles expect {fmt.format(low)} to {fmt.format(high)})")
         return {"claim": claim, "expected": (low, high), "measured": measured,
                 "verdict": "not judged at this size", "ok": False, "cause": None, "text": text}
     if measured < low:
@@ -856,10 +858,10 @@ def timing_verdict(claim: str, measured: float, expected: tuple[float, float], *
         verdict, cause = "above the expected band", above
     else:
         verdict, cause = "as expected", None
-    text = (f"{claim}: expected {fmt.format(low)} to {fmt.format(high)}, measured "
-            f"{fmt.format(measured)}: {verdict}")
+    text = wrap(f"{claim}: expected {fmt.format(low)} to {fmt.format(high)}, measured "
+                f"{fmt.format(measured)}: {verdict}")
     if cause:
-        text += f"\n  likely cause: {cause}"
+        text += "\n" + hang("  likely cause: ", cause)
     return {"claim": claim, "expected": (low, high), "measured": measured, "verdict": verdict,
             "ok": verdict == "as expected", "cause": cause, "text": text}
 

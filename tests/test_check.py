@@ -435,7 +435,7 @@ def test_in_band_in_smoke_says_the_claim_is_not_judged(capsys, monkeypatch):
     retried = []
     verdict = check.in_band("weak-scaling speedup on 2 workers", 0.905, 1.2, cause="busy",
                             retry=lambda: retried.append(1) or 2.0)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out.replace("\n    ", " ")  # wrapped within 100 characters
     assert out.startswith("[not judged at this size] weak-scaling speedup on 2 workers: "
                           "measured 0.905; not judged at this size (the cpu and gpu profiles "
                           "expect at least 1.2)")
@@ -572,3 +572,113 @@ def test_comparable_names_an_answer_of_the_wrong_kind_before_any_comparison():
         check.comparable("0.5", 1.0)
     with pytest.raises(check.NotYet, match="gave a Tensor, where the check compares a number"):
         check.comparable(torch.ones(2), 1.0)
+
+
+# ---- what the learner sees: verdicts as badges in Jupyter, lines that fit ----------------------
+
+def _in_a_kernel(monkeypatch):
+    """Make labkit believe it runs in a Jupyter kernel; return what it displays."""
+    from labkit import _display
+
+    shown = []
+    monkeypatch.setattr(_display, "in_kernel", lambda: True)
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display",
+                        lambda obj, raw=False: shown.append((obj, raw)))
+    return shown
+
+
+@pytest.mark.parametrize("make, label, kind", [
+    (lambda: check.Verdict("double it", True, "fn(2) == 4").show(), "pass", "labkit-pass"),
+    (lambda: check.Verdict("double it", False, "fn(2) == 5", "add, do not multiply").show(),
+     "not yet", "labkit-not-yet"),
+    (lambda: check.in_band("gap", 0.48, 0.3, 1.0, cause="few epochs"), "as expected",
+     "labkit-pass"),
+    (lambda: check.in_band("gap", 0.1, 0.3, cause="few epochs"), "not as expected",
+     "labkit-not-yet"),
+])
+def test_in_a_kernel_a_verdict_is_a_badge_with_its_text_beside_it(make, label, kind, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setenv("LABKIT_PROFILE", "cpu")
+    plain_out = None
+    make()  # outside a kernel: printed
+    plain_out = capsys.readouterr().out
+    shown = _in_a_kernel(monkeypatch)
+    make()
+    assert capsys.readouterr().out == ""  # displayed, not printed twice
+    (data, raw), = shown
+    assert raw and data["text/plain"] + "\n" == plain_out  # logs and nbval read the same text
+    assert data["text/plain"].startswith(f"[{label}] ")
+    html = data["text/html"]
+    assert "labkit-verdict" in html and kind in html and "labkit-badge" in html
+    assert f">{label}</span>" in html and "border-left:4px solid" in html
+    if label in ("not yet", "not as expected"):  # the hint on its own line, under its name
+        assert 'class="labkit-note"' in html
+        assert "\n  hint: " in data["text/plain"] or "\n  likely cause: " in data["text/plain"]
+
+
+def test_in_smoke_the_badge_says_not_judged(monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "smoke")
+    shown = _in_a_kernel(monkeypatch)
+    check.in_band("speedup", 0.9, 1.2, cause="busy")
+    (data, _), = shown
+    assert "labkit-not-judged" in data["text/html"]
+    assert ">not judged at this size</span>" in data["text/html"]
+    assert data["text/plain"].startswith("[not judged at this size] speedup: measured 0.9")
+
+
+def test_the_html_escapes_what_the_learner_wrote(monkeypatch):
+    shown = _in_a_kernel(monkeypatch)
+    check.Verdict("<b>mine</b>", False, "got <script>alert(1)</script> & more",
+                  'try "a < b"').show()
+    (data, _), = shown
+    html = data["text/html"]
+    assert "<script>" not in html and "<b>mine</b>" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in html
+    assert "&lt;b&gt;mine&lt;/b&gt;" in html and "try &quot;a &lt; b&quot;" in html
+    assert "<script>alert(1)</script>" in data["text/plain"]  # the text itself is unchanged
+
+
+def test_str_of_a_verdict_is_unchanged_and_a_worker_prints_plain_text(capsys):
+    v = check.Verdict("double it", False, "x " * 80, "the hint")
+    assert str(v) == f"[not yet] double it: {'x ' * 80}\n  hint: the hint"
+    from labkit import _display
+
+    assert not _display.in_kernel()  # pytest's process is no kernel: the verdict is printed
+    v.show()
+    assert capsys.readouterr().out.startswith("[not yet] double it: x x")
+
+
+LONG = ("rank 1 sent 1,234,567 bytes in 3 messages where the reference sends 617,284 bytes in "
+        "2 messages of 308,642.5 bytes each, on 2 and 4 ranks, with tensors of dtype "
+        "torch.float64 and a rank with nothing to send at /home/learner/a_rather_long/"
+        "path/to/some_file_name_that_goes_on_and_on_and_on_and_on_and_on_and_on.py")
+
+
+def test_printed_verdicts_wrap_within_100_without_splitting_numbers_or_words(capsys,
+                                                                             monkeypatch):
+    monkeypatch.setenv("LABKIT_PROFILE", "cpu")
+    check.Verdict("the ring's route", False, LONG, LONG).show()
+    check.in_band("a claim with a long name", 0.1, 0.3, cause=LONG)
+    check.prediction("speedup", 4, 1.62, unit="x", why=LONG)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    words = set(LONG.split())
+    long_word = max(words, key=len)
+    assert all(len(line) <= 100 or line.strip() == long_word for line in lines), out
+    got = set(out.split())
+    assert words <= got, words - got  # every number and word whole: 1,234,567 and 308,642.5
+    # the hint wraps under its own name, not under the verdict's first column
+    hint = lines.index(next(line for line in lines if line.startswith("  hint: ")))
+    assert lines[hint + 1].startswith(" " * len("  hint: ")) and lines[hint + 1][8] != " "
+    assert "\n  likely cause: " in out and "\n  why: " in out
+
+
+def test_progress_keeps_each_exercise_whole_within_100(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    check.progress()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(len(line) <= 100 for line in lines[1:]), [
+        line for line in lines if len(line) > 100]
+    check.assert_passed([])

@@ -1,0 +1,70 @@
+"""pytest plugin for the notebook run (``-p tests.notebook_lines``): no printed line over 100.
+
+nbval makes one test item per cell and keeps what the cell's run sent back on the item
+(``item.test_outputs``). A cell whose text output has a line longer than :data:`MAX` characters
+fails, naming the line and its length: the learner reads it in an output area that wraps it
+mid-word, or scrolls for it.
+
+What counts is the text the learner reads as text: stream output (stdout, stderr) and the
+``text/plain`` of a result or display that has nothing richer to show. An HTML table, an image
+or a verdict's badge is shown instead of its ``text/plain``, so that does not count, and
+neither does a traceback (Python's to format). A progress line rewritten with ``\\r`` counts as
+the text left on screen. ANSI colour codes take no room.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+MAX = 100
+# A display with one of these is shown as that, not as its text/plain.
+_RICHER = ("text/html", "text/markdown", "text/latex", "image/png", "image/jpeg", "image/svg+xml",
+           "application/javascript")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def shown_lines(outputs) -> list[str]:
+    """The lines of text a learner reads in a cell's outputs (nbformat output dicts)."""
+    lines: list[str] = []
+    for out in outputs or ():
+        kind = out.get("output_type")
+        if kind == "stream":
+            text = out.get("text", "")
+        elif kind in ("execute_result", "display_data"):
+            data = out.get("data", {})
+            if any(mime in data for mime in _RICHER):
+                continue
+            text = data.get("text/plain", "")
+        else:  # an error's traceback, or anything else
+            continue
+        if isinstance(text, list):
+            text = "".join(text)
+        for line in _ANSI.sub("", text).split("\n"):
+            lines.append(line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else
+                         line.rstrip("\r"))
+    return lines
+
+
+def too_long(outputs, limit: int = MAX) -> list[tuple[int, str]]:
+    """``(length, line)`` of each shown line over ``limit`` characters."""
+    return [(len(line), line) for line in shown_lines(outputs) if len(line) > limit]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call" or not report.passed or not item.nodeid.split("::")[0].endswith(
+            ".ipynb"):
+        return
+    long = too_long(getattr(item, "test_outputs", None))
+    if long:
+        report.outcome = "failed"
+        shown = "\n".join(f"  {n} characters: {line[:160]}{'...' if n > 160 else ''}"
+                          for n, line in long[:5])
+        more = f"\n  ... and {len(long) - 5} more" if len(long) > 5 else ""
+        report.longrepr = (f"this cell printed {len(long)} line(s) over {MAX} characters (the "
+                           f"learner's output area wraps them mid-word); shorten them where "
+                           f"they are printed:\n{shown}{more}")

@@ -1,0 +1,44 @@
+"""tests.notebook_lines: a notebook cell that prints a line over 100 characters fails, naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from tests import notebook_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_only_the_text_a_learner_reads_counts():
+    long = "x" * 150
+    outputs = [
+        {"output_type": "stream", "name": "stdout", "text": "short\n" + "y" * 101 + "\n"},
+        {"output_type": "stream", "name": "stdout", "text": ["\x1b[32m" + "z" * 100 + "\x1b[0m\n"]},
+        {"output_type": "stream", "name": "stderr", "text": long + "\rdone\n"},  # overwritten
+        {"output_type": "display_data", "data": {"text/plain": long, "text/html": "<b>x</b>"}},
+        {"output_type": "display_data", "data": {"text/plain": long, "image/png": "..."}},
+        {"output_type": "execute_result", "data": {"text/plain": "w" * 120}},
+        {"output_type": "error", "ename": "E", "evalue": "", "traceback": [long]},
+    ]
+    assert notebook_lines.too_long(outputs) == [(101, "y" * 101), (120, "w" * 120)]
+
+
+def test_a_cell_printing_150_characters_fails_one_printing_90_passes(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("print('a' * 90)"),
+        nbformat.v4.new_code_cell("print('fits')\nprint('b' * 150)"),
+        nbformat.v4.new_code_cell("'c' * 95")])
+    nbformat.write(nb, tmp_path / "99_lines.ipynb")
+    cmd = [sys.executable, "-m", "pytest", "-p", "tests.notebook_lines", "--nbval-lax",
+           "--nbval-current-env", "-p", "no:cacheprovider", "-rf", str(tmp_path / "99_lines.ipynb")]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout
+    assert "1 failed, 2 passed" in run.stdout, run.stdout
+    assert "99_lines.ipynb::Cell 1" in run.stdout
+    assert "1 line(s) over 100 characters" in run.stdout
+    assert f"150 characters: {'b' * 150}" in run.stdout
