@@ -245,6 +245,14 @@ class ProgressBars:
         self.end_line()
         if self.handle is not None:
             self.handle.update(self.summary(), raw=True)
+        if self.box is not None:  # shown nowhere now: no state of theirs to keep or save
+            for row in self.rows.values():
+                for child in row.children:
+                    child.close()
+                row.close()
+            if self.header_label is not None:
+                self.header_label.close()
+            self.box.close()
 
     def summary(self) -> dict:
         """Where every bar ended, as ``text/plain`` and ``text/html``."""

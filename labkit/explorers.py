@@ -102,7 +102,8 @@ def _explorer_type():
         """An explorer's controls; displayed, its outputs (``shows``) follow it in the cell.
 
         Its ``text/plain`` (what a reader without the widget sees: GitHub, nbviewer, a
-        notebook reopened without saved widget state) says what the controls are for.
+        notebook reopened without saved widget state) says what the controls are for, in
+        lines that fit an output area.
         """
 
         def __repr__(self) -> str:
@@ -191,9 +192,9 @@ def augmentation_explorer(image, *, image_size: int | None = None, n: int = 8, s
     columns = [widgets.VBox(list(sliders.values())[:half]),
                widgets.VBox(list(sliders.values())[half:])]
     box = _explorer([widgets.HBox(columns)],
-                    "Augmentation explorer: its sliders (rotation, zoom, shift, flip, colour) "
-                    "need a running kernel; run the cell to move them. Below: the last grid "
-                    "drawn.", [picture])
+                    "Augmentation explorer: its sliders (rotation, zoom, shift, flip, colour)\n"
+                    "need a running kernel: run the cell to move them. Below: the last grid.",
+                    [picture])
     box.config, box.figure = config, picture
     return box
 
@@ -282,9 +283,9 @@ def schedule_explorer(stages: int = 4, m: int = 8, chunks: int = 2,
         control.observe(update, names="value")
     box = _explorer([widgets.HBox(list(controls.values())[:2]),
                      widgets.HBox(list(controls.values())[2:])],
-                    "Pipeline schedule explorer: its sliders (ranks, micro-batches, chunks) "
-                    "and schedule menu need a running kernel; run the cell to move them. "
-                    "Below: the last timeline drawn and its bubble.", [text, picture])
+                    "Pipeline schedule explorer: its sliders (ranks, micro-batches, chunks) and\n"
+                    "schedule menu need a running kernel: run the cell to move them. Below: the\n"
+                    "last timeline drawn and its bubble.", [text, picture])
     box.update, box.result, box.controls = update, None, controls
     box.message, box.figure = text, picture
     update()
@@ -383,9 +384,9 @@ def planner_explorer(model=None, cluster=None):
     load()
     box = _explorer([menu, widgets.HBox([widgets.VBox(list(sliders.values())),
                                          widgets.VBox([zero, micro, chunks, ckpt, sp])])],
-                    "Parallelism planner explorer: its preset menu, degree sliders and "
-                    "switches need a running kernel; run the cell to move them. Below: the "
-                    "last plan drawn and its verdict.", [picture, text])
+                    "Parallelism planner explorer: its preset menu, degree sliders and switches\n"
+                    "need a running kernel: run the cell to move them. Below: the last plan\n"
+                    "drawn and its verdict.", [picture, text])
     box.update, box.figure, box.message = update, picture, text
     box.plan = lambda: state["plan"]
     box.controls = {"preset": menu, **sliders, "zero": zero, "micro_batch": micro,

@@ -1,7 +1,9 @@
-"""Start JupyterLab the way ``make lab`` does: on loopback, behind a token, on the notebooks."""
+"""Start JupyterLab the way ``make lab`` does: on loopback, behind a token, on the notebooks,
+with the course's JupyterLab settings in place."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -9,6 +11,43 @@ import sys
 from pathlib import Path
 
 TOKEN_ENV = "LABKIT_TOKEN"
+
+# Defaults JupyterLab takes for the course. saveState: JupyterLab keeps the widgets' state in a
+# notebook it saves, so that a notebook reopened (or read in nbviewer) draws the explorers'
+# controls again instead of "Error displaying widget: model not found".
+LAB_SETTINGS = {"@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": True}}
+
+
+def lab_settings_file(app_dir: str | os.PathLike | None = None) -> Path:
+    """Where JupyterLab reads labkit's defaults: a file of labkit's own among its overrides
+    (``<app dir>/settings/overrides.d``), beside any ``overrides.json`` of the learner's."""
+    if app_dir is None:
+        from jupyterlab.commands import get_app_dir
+
+        app_dir = get_app_dir()  # the venv's share/jupyter/lab, or $JUPYTERLAB_DIR
+    return Path(app_dir) / "settings" / "overrides.d" / "labkit.json"
+
+
+def install_lab_settings(app_dir: str | os.PathLike | None = None) -> Path | None:
+    """Write :data:`LAB_SETTINGS` where JupyterLab reads them; the file, or None (and a note on
+    stderr) where that folder cannot be written: JupyterLab then runs with its own defaults.
+
+    Example::
+
+        >>> install_lab_settings()
+        PosixPath('.../.venv/share/jupyter/lab/settings/overrides.d/labkit.json')
+    """
+    path = lab_settings_file(app_dir)
+    text = json.dumps(LAB_SETTINGS, indent=2) + "\n"
+    try:
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    except OSError as err:
+        print(f"labkit lab: could not write {path} ({err}); notebooks will be saved without "
+              "their widgets' state", file=sys.stderr)
+        return None
+    return path
 
 
 def lab_command(host: str, port: int, root: str | os.PathLike, token: str) -> list[str]:
@@ -57,6 +96,7 @@ def run_lab(host: str = "127.0.0.1", port: int = 8888, root: str = "notebooks") 
         print(f"labkit lab: {host}:{port} is in use (another JupyterLab?). Stop it, or pick "
               f"another port: make lab PORT={port + 1}", file=sys.stderr)
         return 2
+    install_lab_settings()
     token = os.environ.get(TOKEN_ENV) or secrets.token_hex(24)
     print(f"\n  JupyterLab: http://{host}:{port}/lab?token={token}\n"
           f"  (set {TOKEN_ENV} to choose the token; Ctrl-C twice to stop)\n", flush=True)

@@ -217,3 +217,62 @@ def test_planner_explorer_builds_redraws_and_reports_refusals():
     controls["preset"].value = "gpt3-175b"
     assert box.plan().fits and box.plan().degrees.pp == 8
     box.update()
+
+
+def test_what_a_reader_without_the_widgets_reads_fits_the_output_area():
+    for box in (schedule_explorer(), planner_explorer(),
+                augmentation_explorer(_photo(), image_size=24, n=2)):
+        text = box._repr_mimebundle_()["text/plain"]
+        assert "VBox" not in text and "need a running kernel" in text
+        assert max(len(line) for line in text.splitlines()) <= 100
+
+
+# ---- the course's JupyterLab keeps the widgets' state in a saved notebook ----------------------
+
+
+def _widget_settings(app_dir, tmp_path):
+    """The widget manager's settings as JupyterLab's own server code composes them."""
+    from jupyter_core.paths import jupyter_path
+    from jupyterlab_server.settings_utils import get_settings
+
+    result, _ = get_settings(str(app_dir / "settings"), str(app_dir / "schemas"),
+                             str(tmp_path / "user-settings"),
+                             schema_name="@jupyter-widgets/jupyterlab-manager:plugin",
+                             labextensions_path=jupyter_path("labextensions"))
+    return result
+
+
+def test_the_course_jupyterlab_saves_the_widgets_state(tmp_path):
+    pytest.importorskip("jupyterlab_server")
+    from labkit.jupyter import install_lab_settings
+
+    app_dir = tmp_path / "lab"
+    before = _widget_settings(app_dir, tmp_path)
+    assert before["schema"]["properties"]["saveState"]["default"] is False, "JupyterLab's own"
+    path = install_lab_settings(app_dir)
+    assert path == app_dir / "settings" / "overrides.d" / "labkit.json"
+    after = _widget_settings(app_dir, tmp_path)
+    assert after["schema"]["properties"]["saveState"]["default"] is True
+    assert install_lab_settings(app_dir) == path and path.stat().st_size > 0, "idempotent"
+
+
+def test_make_lab_installs_the_settings_before_starting_jupyterlab(tmp_path, monkeypatch):
+    import labkit.jupyter as jupyter
+
+    monkeypatch.setenv("JUPYTERLAB_DIR", str(tmp_path / "lab"))
+    monkeypatch.setattr(jupyter, "port_free", lambda host, port: True)
+    started = []
+    monkeypatch.setattr(jupyter.os, "execv", lambda exe, cmd: started.append(
+        jupyter.lab_settings_file().is_file()))
+    assert jupyter.run_lab(root=str(tmp_path)) == 0
+    assert started == [True]
+    assert jupyter.lab_settings_file() == tmp_path.resolve() / "lab" / "settings" / \
+        "overrides.d" / "labkit.json"
+
+
+def test_a_jupyterlab_folder_that_cannot_be_written_is_said_and_not_fatal(tmp_path, capsys):
+    from labkit.jupyter import install_lab_settings
+
+    (tmp_path / "lab").write_text("a file where the folder should be")
+    assert install_lab_settings(tmp_path / "lab") is None
+    assert "could not write" in capsys.readouterr().err

@@ -178,6 +178,7 @@ def test_widget_bars_end_as_a_static_summary_that_a_saved_notebook_keeps(display
         "rank 1 train: 40/40 (100%) in 4.0 s, 10.0 it/s"]
     assert "<progress value='10' max='40'>" in summary["text/html"]
     assert "application/vnd.jupyter.widget-view+json" not in summary, "no widget left to need"
+    assert bars.box.comm is None, "the widgets are closed: a saved notebook keeps none of them"
     bars.finish()
     assert len(handle.updates) == 1, "finished once"
 
