@@ -29,6 +29,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from ._display import hang
+
 __all__ = [
     "SECTIONS",
     "VERDICTS",
@@ -478,8 +480,9 @@ class Check:
             raise ValueError(f"verdict must be one of {VERDICTS}, not {self.verdict!r}")
 
     def __str__(self) -> str:
-        line = f"  {self.verdict.upper():<4}  {self.name:<10}  {self.detail}"
-        return line + (f"\n{'':20}fix: {self.fix}" if self.fix and self.verdict != "pass" else "")
+        line = hang(f"  {self.verdict.upper():<4}  {self.name:<10}  ", self.detail)
+        return line + ("\n" + hang(f"{'':20}fix: ", self.fix)
+                       if self.fix and self.verdict != "pass" else "")
 
 
 def _fmt_value(f: dataclasses.Field, value) -> list[str]:
@@ -507,8 +510,8 @@ def _fmt_section(name: str, facts) -> str:
         if f.name.endswith("error") and value is None:
             continue  # most sections have no error; an empty line would only be noise
         shown = _fmt_value(f, value)
-        lines.append(f"  {f.name:<18}{shown[0]}")
-        lines += [f"  {'':18}{more}" for more in shown[1:]]
+        lines.append(hang(f"  {f.name:<18}", shown[0]))
+        lines += [hang(f"  {'':18}", more) for more in shown[1:]]
     return "\n".join(lines)
 
 

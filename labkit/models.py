@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._display import wrap
 from ._sizes import whole
 
 __all__ = ["convnet", "small_cnn", "VGG16", "IMAGENET", "MIN_IMAGE_SIZE", "PRETRAINED_CHOICES",
@@ -257,8 +258,8 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     model.load_state_dict(state)
     if kept_new:
         layers = sorted({k.rsplit(".", 1)[0] for k in kept_new})
-        print(f"labkit: loaded {path}; kept {', '.join(layers)} newly initialised "
-              f"(shapes differ from the checkpoint: e.g. a new number of classes)")
+        print(wrap(f"labkit: loaded {path}; kept {', '.join(layers)} newly initialised "
+                   f"(shapes differ from the checkpoint: e.g. a new number of classes)"))
     return model
 
 
