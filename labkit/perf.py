@@ -755,14 +755,15 @@ def vgg16_throughput(variants=VGG16_VARIANTS, *, device=None, image_size: int | 
 def print_vgg16_throughput(rows: list[dict]) -> None:
     """What ``python -m labkit bench vgg16`` prints for :func:`vgg16_throughput`'s rows."""
     r = rows[0]
-    print(f"VGG16 training step (forward + backward + SGD) on {r['device']} ({r['device_name']}): "
-          f"{r['image_size']} px, width {r['width']:g}, batch {r['batch_size']}")
+    print(wrap(f"VGG16 training step (forward + backward + SGD) on {r['device']} "
+               f"({r['device_name']}): {r['image_size']} px, width {r['width']:g}, batch "
+               f"{r['batch_size']}"))
     print(f"  {r['train_flops_per_image'] / 3e9:.3g} GFLOP forward per image, 3x that per "
           f"training step")
     print(f"  {'variant':<28}  {'images/s':>9}  {'TFLOP/s':>8}  {'MFU':>6}  peak used")
     for r in rows:
         if r["skipped"]:
-            print(f"  {r['variant']:<28}  skipped: {r['skipped']}")
+            print(hang(f"  {r['variant']:<28}  skipped: ", r["skipped"]))
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         peak = (f"{r['precision']} {r['peak_tflops']:g} TFLOP/s" if r["peak_tflops"]

@@ -8,8 +8,10 @@ mid-word, or scrolls for it.
 What counts is the text the learner reads as text: stream output (stdout, stderr) and the
 ``text/plain`` of a result or display that has nothing richer to show. An HTML table, an image
 or a verdict's badge is shown instead of its ``text/plain``, so that does not count, and
-neither does a traceback (Python's to format). A progress line rewritten with ``\\r`` counts as
-the text left on screen. ANSI colour codes take no room.
+neither does a traceback (Python's to format), nor a library's log record or warning on stderr
+(torch's ``W1202 15:37:15 ...`` lines, ``.../site-packages/x.py:3: UserWarning: ...``): their
+text is theirs. A warning raised at a line of labkit counts: labkit can fix it. A progress
+line rewritten with ``\\r`` counts as the text left on screen. ANSI colour codes take no room.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ MAX = 100
 _RICHER = ("text/html", "text/markdown", "text/latex", "image/png", "image/jpeg", "image/svg+xml",
            "application/javascript")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_LOG_RECORD = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d")  # glog's format, which torch logs in
+_WARNING = re.compile(r"(?P<file>\S+\.py):\d+: \w*Warning: ")
+
+
+def _theirs(line: str) -> bool:
+    """A library's log record or warning (not one raised at a line of labkit)."""
+    if _LOG_RECORD.match(line):
+        return True
+    m = _WARNING.match(line)
+    return bool(m) and "/labkit/" not in m["file"].replace("\\", "/")
 
 
 def shown_lines(outputs) -> list[str]:
@@ -42,8 +54,9 @@ def shown_lines(outputs) -> list[str]:
         if isinstance(text, list):
             text = "".join(text)
         for line in _ANSI.sub("", text).split("\n"):
-            lines.append(line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else
-                         line.rstrip("\r"))
+            line = line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r")
+            if not (kind == "stream" and out.get("name") == "stderr" and _theirs(line)):
+                lines.append(line)
     return lines
 
 

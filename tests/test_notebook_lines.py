@@ -23,8 +23,15 @@ def test_only_the_text_a_learner_reads_counts():
         {"output_type": "display_data", "data": {"text/plain": long, "image/png": "..."}},
         {"output_type": "execute_result", "data": {"text/plain": "w" * 120}},
         {"output_type": "error", "ename": "E", "evalue": "", "traceback": [long]},
+        {"output_type": "stream", "name": "stderr",  # a library's: not labkit's to shorten
+         "text": "W1202 15:37:15.755000 8297 torch/utils/cpp_extension.py:183] " + long + "\n"
+                 "/venv/site-packages/torch/x.py:7: UserWarning: " + long + "\n"},
+        {"output_type": "stream", "name": "stderr",  # raised at labkit's line: labkit can fix it
+         "text": "/work/labkit/plots/a.py:77: UserWarning: " + "v" * 80 + "\n"},
     ]
-    assert notebook_lines.too_long(outputs) == [(101, "y" * 101), (120, "w" * 120)]
+    assert notebook_lines.too_long(outputs) == [(101, "y" * 101), (120, "w" * 120),
+                                                (121, "/work/labkit/plots/a.py:77: UserWarning: "
+                                                 + "v" * 80)]
 
 
 def test_a_cell_printing_150_characters_fails_one_printing_90_passes(tmp_path):
