@@ -327,8 +327,8 @@ def test_scaling_plot_with_a_prediction_to_64_workers():
     model = _scaling("weak", [1, 2, 4, 8, 16, 32, 64], loss=0.12, predicted=True)
     fig = scaling_plot(list(reversed(measured)), prediction=model)  # sorted by workers first
     fig.canvas.draw()
-    tput, speed, eff = fig.axes                          # the efficiency axis is the twin
-    assert tput.get_title() == "throughput" and speed.get_title() == "speedup and efficiency"
+    tput, speed, eff = fig.axes                          # efficiency: a panel of its own
+    assert [a.get_title() for a in fig.axes] == ["throughput", "speedup", "efficiency"]
     assert _labels(tput) == ["ideal (N x one worker)", "weak measured", "weak model"]
     ideal = _line(tput, "ideal (N x one worker)")
     assert list(ideal.get_xdata()) == [1, 2, 4, 8, 16, 32, 64]  # as far as the model reaches
@@ -346,13 +346,21 @@ def test_scaling_plot_with_a_prediction_to_64_workers():
         [r["speedup"] for r in measured])
     ideal = _line(speed, "ideal (speedup = N)")
     assert list(ideal.get_xdata()) == list(ideal.get_ydata()) == [1, 2, 4, 8, 16, 32, 64]
-    assert _labels(eff) == ["weak efficiency"]
+    assert _labels(eff) == ["weak measured", "weak model", "ideal (efficiency = 1)"]
     assert list(eff.get_lines()[0].get_ydata()) == pytest.approx([1.0, 0.9, 0.81])
-    assert eff.get_ylim() == pytest.approx((0, 1.1)) and eff.get_ylabel() == "efficiency"
-    legend = [t.get_text() for t in eff.get_legend().get_texts()]
-    assert legend == [*_labels(speed), "weak efficiency"]  # one legend for both y axes
+    assert list(eff.get_lines()[1].get_ydata()) == pytest.approx(  # speedup / N
+        [r["speedup"] / r["workers"] for r in model])
+    assert eff.get_ylim() == pytest.approx((0, 1.1)) and eff.get_ylabel().startswith("efficiency")
+    assert not any(a.get_legend() for a in fig.axes)     # one legend for the three panels
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "ideal (N x one worker)", "weak measured", "weak model", "ideal (speedup = N)",
+        "ideal (efficiency = 1)"]                        # each label once
+    corner = fig.axes[1].get_window_extent()             # beside the efficiency, under speedup
+    box = legend.get_window_extent()
+    assert box.x0 > eff.get_window_extent().x1 and box.y1 < corner.y0
 
-    for ax in (tput, speed):
+    for ax in (tput, speed, eff):
         assert ax.get_xscale() == "log" and ax.get_xlabel() == "workers"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4", "8", "16", "32",
                                                                 "64"]
@@ -373,7 +381,7 @@ def test_scaling_plot_both_modes_measured_to_4_workers_is_linear():
         [r["samples_per_s"] for r in rows[3:]])
     assert _line(tput, "weak measured").get_color() != _line(tput, "strong measured").get_color()
     assert _labels(speed) == ["weak measured", "strong measured", "ideal (speedup = N)"]
-    assert _labels(eff) == ["weak efficiency", "strong efficiency"]
+    assert _labels(eff) == ["weak measured", "strong measured", "ideal (efficiency = 1)"]
     assert list(eff.get_lines()[1].get_ydata()) == pytest.approx([1.0, 0.7, 0.49])
     assert eff.get_ylim() == pytest.approx((0, 1.1))
     for ax in (tput, speed):
@@ -441,7 +449,9 @@ def test_large_batch_plot_one_line_per_rule():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "256", "1024"]
     assert ax.get_ylim() == pytest.approx((0, 1)) and ax.get_ylabel() == "validation accuracy"
     assert ax.get_title() == "large-batch training: accuracy against global batch"
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(_RULES)
+    legend = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
+    assert legend == list(_RULES)                       # long ones on two lines
+    assert ax.get_legend().get_window_extent().x0 > ax.get_window_extent().x1  # beside it
 
 
 def test_large_batch_plot_on_a_given_axes():

@@ -232,7 +232,9 @@ def test_zero_plot_stacks_what_each_rank_holds_and_what_it_sends(ranks):
     tops = [p.get_y() + p.get_height() for p in held.patches[2 * len(rows):3 * len(rows)]]
     assert tops == pytest.approx([(r["params"] + r["grads"] + r["optimizer"]) / 2**20
                                   for r in rows])
-    assert _ticks(held.get_xticklabels()) == [r["label"] for r in rows]
+    # long labels on two lines, side by side
+    assert [t.replace("\n", " ") for t in _ticks(held.get_xticklabels())] == [r["label"]
+                                                                               for r in rows]
     fig, given = _axes()
     assert plots.zero_plot(rows, ax=given) is fig and len(fig.axes) == 1
     from matplotlib import pyplot as plt
@@ -285,11 +287,13 @@ def test_wire_plot_a_bar_per_dimension_and_collective_beside_its_formula(ranks):
     expected = [(f"{label}\n{dim}: {op}", sent) for label, r in results.items()
                 for dim, ops in r["wire"]["bytes"].items() for op, sent in ops.items()
                 if op != "recv"]
-    assert _ticks(ax.get_xticklabels()) == [name for name, _ in expected]
-    assert "DP x PP\npp: send" in _ticks(ax.get_xticklabels())  # the receives send nothing
-    assert [p.get_height() for p in ax.patches] == [sent for _, sent in expected]
+    # one row per bar, the first on top: any number of bars keeps the notebook's width
+    assert _ticks(ax.get_yticklabels()) == [name for name, _ in expected]
+    assert ax.yaxis_inverted() and plots.wire_plot(results).get_size_inches()[0] <= 9.5
+    assert "DP x PP\npp: send" in _ticks(ax.get_yticklabels())  # the receives send nothing
+    assert [p.get_width() for p in ax.patches] == [sent for _, sent in expected]
     (formula,) = ax.collections
-    assert formula.get_offsets()[:, 1].tolist() == [sent for _, sent in expected]  # exact
+    assert formula.get_offsets()[:, 0].tolist() == [sent for _, sent in expected]  # exact
     fig, given = _axes()
     assert plots.wire_plot(results, ax=given) is fig
     with pytest.raises(ValueError, match="nothing to plot"):
@@ -324,7 +328,7 @@ def test_schedule_timeline_plot_one_block_per_event(name, chunks):
     assert max(p.get_x() + p.get_width() for p in ax.patches) == pytest.approx(
         max(e["end"] for e in events) - min(e["start"] for e in events))
     assert ax.get_title() == name and _ticks(ax.get_yticklabels()) == ["rank 0", "rank 1"]
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    legend = [t.get_text().replace("\n", " ") for t in ax.get_legend().get_texts()]
     if chunks > 1:
         assert legend == ["forward", "backward", "paler: later chunk (label chunk.micro)"]
         assert "1.0" in _texts(ax)  # chunk.micro
@@ -332,6 +336,29 @@ def test_schedule_timeline_plot_one_block_per_event(name, chunks):
         assert legend == ["forward", "backward (input)", "weight grad"]
     fig, given = _axes()
     assert plots.schedule_timeline_plot(events, ax=given) is fig and given.get_title() == ""
+
+
+def test_schedule_timeline_labels_fit_their_blocks_or_are_left_out():
+    """p = 4, m = 12, v = 2 at the notebook's width: a forward block is too narrow for "0.10"
+    even upright; a backward one takes it upright; none overlaps the next block."""
+    events = schedules.schedule_timeline("interleaved 1f1b", 4, 12, chunks=2)["events"]
+    fig = plots.schedule_timeline_plot(events)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    kept = ax.texts
+    assert 0 < len(kept) < len(events)
+    bars = [p.get_window_extent() for p in ax.patches]
+    for text in kept:
+        box = text.get_window_extent()
+        assert any(b.x0 <= box.x0 and box.x1 <= b.x1 and b.y0 <= box.y0 and box.y1 <= b.y1
+                   for b in bars), text.get_text()
+    assert any(t.get_rotation() == 90 for t in kept)
+    # on a wide enough figure every label fits as it is
+    from matplotlib import pyplot as plt
+
+    wide, ax = plt.subplots(figsize=(40, 3))
+    plots.schedule_timeline_plot(events, ax=ax)
+    assert len(ax.texts) == len(events) and {t.get_rotation() for t in ax.texts} == {0}
 
 
 def test_schedule_timeline_plot_refuses_what_it_cannot_draw():
@@ -406,3 +433,272 @@ def test_the_figures_refuse_or_skip_what_they_cannot_draw():
     grey = [p for p in fig.axes[0].patches if p.get_facecolor()[:3] == (0.8, 0.8, 0.8)]
     assert len(grey) == 2  # each replicated tensor drawn once, not once per rank
     plt.close("all")
+
+
+# ---- every figure: the course's style, legends off the data, text that reads ---------------------
+#
+# What a learner sees in JupyterLab: a figure wider than the notebook's column is shrunk, text
+# and all; a legend on a curve hides it; a label wider than its block runs into the next one.
+# Each public figure is drawn here from small rows and measured on screen (display units).
+
+
+def _figure_cases(ranks) -> dict:
+    """``{name: () -> Figure}``: every figure of labkit.plots, drawn from small real rows."""
+    import numpy as np
+
+    from labkit.augment import augmentation
+    from labkit.bench import bus_bandwidth, message_sizes
+    from labkit.parallel import pipeline
+    from labkit.perf import result_row
+    from labkit.planner import PUBLISHED, predicted_vs_measured
+
+    sweep = []
+    for b in message_sizes(1024, 1 << 22):
+        seconds = 20e-6 + b / 5e9
+        sweep.append({"bytes": b, "seconds": seconds, "algbw_GBps": b / seconds / 1e9,
+                      "busbw_GBps": bus_bandwidth(b / seconds / 1e9, 4), "ranks": 4,
+                      "backend": "gloo"})
+    history = [{"epoch": e, "train_loss": 1 / e, "train_acc": 1 - 0.5 / e,
+                "val_loss": 1 / e + 0.2, "val_acc": 1 - 0.5 / e - 0.2} for e in range(1, 9)]
+
+    def scaling(mode, workers, loss):
+        return [{"mode": mode, "workers": n, "samples_per_s": 100 * n * (1 - loss) ** k,
+                 "speedup": n * (1 - loss) ** k, "efficiency": (1 - loss) ** k}
+                for k, n in enumerate(workers)]
+
+    measured = [*scaling("weak", [1, 2, 4], 0.1), *scaling("strong", [1, 2, 4], 0.3),
+                *scaling("independent", [1, 2, 4], 0.02)]
+    model = [*scaling("weak", [1, 2, 4, 8, 16, 32, 64], 0.12),
+             *scaling("strong", [1, 2, 4, 8, 16, 32, 64], 0.3)]
+    plans = [run.plan() for run in PUBLISHED.values()]
+    one = plans[0]
+    moe = [v["moe"] for v in ranks]
+
+    def live():
+        import IPython.display
+
+        shown = []
+
+        class Handle:
+            def update(self, fig):
+                shown.append(fig)
+
+        real = IPython.display.display
+        IPython.display.display = lambda *a, **k: Handle()
+        try:
+            plots.live_training_curves()("augmentation", history)
+        finally:
+            IPython.display.display = real
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        return FigureCanvasAgg(shown[-1]).figure  # closed once shown: a canvas to draw it on
+
+    return {
+        "bandwidth_plot": lambda: plots.bandwidth_plot(sweep),
+        "staleness_plot": lambda: plots.staleness_plot(
+            {"mode": "async", "staleness": [0, 1, 2, 0, 3, 1] * 4,
+             "pushed_by": [1, 2, 3, 1, 2, 3] * 4}),
+        "bytes_accuracy_plot": lambda: plots.bytes_accuracy_plot(
+            [{"label": "dense", "bytes_per_rank": 100, "dense_bytes": 100, "accuracy": 0.94},
+             {"label": "top-k 1 %", "bytes_per_rank": 2, "dense_bytes": 100, "accuracy": 0.9}]),
+        "augmentation_grid": lambda: plots.augmentation_grid(
+            np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8),
+            augmentation(32), n=35),
+        "training_curves": lambda: plots.training_curves({"no augmentation": history,
+                                                          "augmentation": history}),
+        "live_training_curves": live,
+        "scaling_plot": lambda: plots.scaling_plot(measured, model),
+        "large_batch_plot": lambda: plots.large_batch_plot(
+            [{"global_batch": b, "rule": rule, "val_acc": 0.9 - i * 0.1 * (b > 64)}
+             for b in (64, 256, 1024)
+             for i, rule in enumerate(("same lr", "linear scaling", "linear scaling + warmup"))]),
+        "pipeline_timeline": lambda: plots.pipeline_timeline(
+            pipeline.simulate(pipeline.gpipe_schedule(4, 12)), title="GPipe, m = 12"),
+        "bubble_plot": lambda: plots.bubble_plot(
+            [{"schedule": s, "stages": 2, "m": m, "measured": 1 / (m + 1) + d,
+              "formula": 1 / (m + 1), "with_messages": 1 / (m + 1) + d / 2}
+             for s, d in (("gpipe", 0.04), ("1f1b", 0.02)) for m in (1, 2, 4, 8)]),
+        "schedule_timeline_plot": lambda: plots.schedule_timeline_plot(
+            schedules.schedule_timeline("interleaved 1f1b", 4, 12, chunks=2)["events"],
+            title="interleaved 1F1B, p = 4, m = 12, v = 2"),
+        "tuning_plot": lambda: plots.tuning_plot(
+            [result_row("bf16 autocast", 0.02, 0.01, "s/step"),
+             result_row("fp16 on a CPU", 0.01, 0.04, "s/step"),
+             result_row("PowerSGD", 40872, 3196, "bytes/step")]),
+        "overlap_plot": lambda: plots.overlap_plot(
+            [{"bucket_cap_mb": cap, "allreduces": n, "compute_s": 0.05, "step_s": step,
+              "serial_s": 0.11, "hidden_fraction": (0.11 - step) / 0.06}
+             for cap, n, step in ((0.25, 12, 0.07), (4, 3, 0.08), (25, 1, 0.11))]),
+        "memory_plot": lambda: plots.memory_plot(
+            [{"batch": b, "estimate": b * 2**20, "peak": (b + 3) * 2**20 if b < 64 else None}
+             for b in (8, 16, 32, 64)], budget=48 * 2**20),
+        "sp_activation_bytes": lambda: plots.sp_activation_bytes(
+            sequence.activation_rows(ranks[0]["sp"])),
+        "sp_layout": lambda: plots.sp_layout(4, sent_bytes={"tp": 12345, "sp": 12345}),
+        "ring_schedule_plot": lambda: plots.ring_schedule_plot(
+            context.ring_schedule(4, "zigzag", causal=True)),
+        "ring_work_plot": lambda: plots.ring_work_plot([r for v in ranks for r in v["ring"]]),
+        "ring_memory_plot": lambda: plots.ring_memory_plot(ranks[0]["memory"]),
+        "expert_traffic_matrix": lambda: plots.expert_traffic_matrix(moe),
+        "expert_load_plot": lambda: plots.expert_load_plot(
+            expert.balance_sweep(n_experts=4, hidden=4, ffn=8, tokens=32, steps=6)),
+        "expert_placement_plot": lambda: plots.expert_placement_plot(
+            moe[0]["reference"]["tokens_per_expert"], 2, moe[0]["capacity"]),
+        "zero_plot": lambda: plots.zero_plot(ranks[0]["zero"]),
+        "mesh_plot": lambda: plots.mesh_plot([v["fsdp_tp"] for v in ranks]),
+        "wire_plot": lambda: plots.wire_plot({"FSDP2 x TP": ranks[0]["fsdp_tp"],
+                                              "DP x PP": ranks[0]["dp_pp"]}),
+        "planner_plot": lambda: plots.planner_plot([one.row(f"{one.degrees}")]),
+        "planner_check_plot": lambda: plots.planner_check_plot(
+            predicted_vs_measured(one, {"params": one.memory["params"] * 1.02,
+                                        "dp": one.comm["dp"] * 0.5})),
+    }
+
+
+# public names that draw no figure of their own
+_NOT_FIGURES = {"check_image"}
+
+
+def test_every_public_figure_has_a_case_here():
+    """A new figure joins the checks below: the test fails until it has a case."""
+    names = set(plots.__all__) - _NOT_FIGURES
+    assert names == set(_case_names())
+
+
+def _case_names() -> list[str]:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(_figure_cases))
+    (returned,) = [n for n in ast.walk(tree) if isinstance(n, ast.Return)
+                   and isinstance(n.value, ast.Dict)]
+    return [k.value for k in returned.value.keys]
+
+
+def _data_on_screen(fig):
+    """Display boxes of everything each axes plots, clipped to its axes: sample points along
+    lines, bars and other patches, scatter offsets, line segments, filled bands, images."""
+    import numpy as np
+    from matplotlib.collections import LineCollection, PathCollection, PolyCollection
+    from matplotlib.transforms import Bbox
+
+    boxes = []
+    for ax in fig.axes:
+        frame = ax.get_window_extent()
+
+        def points(xy, frame=frame):
+            xy = np.asarray(xy, dtype=float).reshape(-1, 2)
+            xy = xy[np.isfinite(xy).all(axis=1)]
+            inside = ((xy[:, 0] >= frame.x0) & (xy[:, 0] <= frame.x1)
+                      & (xy[:, 1] >= frame.y0) & (xy[:, 1] <= frame.y1))
+            return [Bbox.from_extents(x, y, x, y) for x, y in xy[inside]]
+
+        def along(xy):  # a line passes between its points too
+            xy = np.asarray(xy, dtype=float).reshape(-1, 2)
+            if len(xy) < 2:
+                return xy
+            t = np.linspace(0, 1, 25)[:, None]
+            return np.concatenate([a + t * (b - a) for a, b in zip(xy[:-1], xy[1:],
+                                                                   strict=True)])
+
+        for line in ax.get_lines():
+            if line.get_visible():
+                boxes += points(along(line.get_transform().transform(line.get_xydata())))
+        for patch in ax.patches:
+            box = patch.get_window_extent()
+            if patch.get_visible() and box.width * box.height > 0:
+                clipped = Bbox.intersection(box, frame)
+                boxes += [clipped] if clipped is not None else []
+        for c in ax.collections:
+            if isinstance(c, PathCollection):
+                boxes += points(c.get_offset_transform().transform(c.get_offsets()))
+            elif isinstance(c, LineCollection):
+                for seg in c.get_segments():
+                    boxes += points(along(c.get_transform().transform(seg)))
+            elif isinstance(c, PolyCollection):
+                for path in c.get_paths():
+                    box = Bbox.intersection(path.get_extents(c.get_transform()), frame)
+                    boxes += [box] if box is not None else []
+        boxes += [im.get_window_extent() for im in ax.images]
+    return boxes
+
+
+def _legends(fig) -> list:
+    return [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + fig.legends
+
+
+def _overlaps(a, b, slack=1.0) -> bool:
+    """Boxes that share more than ``slack`` pixels each way (a point on an edge is apart)."""
+    return (min(a.x1, b.x1) - max(a.x0, b.x0) > slack
+            and min(a.y1, b.y1) - max(a.y0, b.y0) > slack) or (
+        (a.width == 0 or b.width == 0) and (a.height == 0 or b.height == 0)
+        and b.x0 + slack < a.x0 < b.x1 - slack and b.y0 + slack < a.y0 < b.y1 - slack)
+
+
+def _texts_shown(fig):
+    """The texts drawn: tick labels only of the ticks inside the view."""
+    from matplotlib.text import Text
+
+    drawn = {}
+    for ax in fig.axes:
+        for axis, limits in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = sorted(limits)
+            slack = 1e-6 * (hi - lo)
+            for ticks, locs in ((axis.get_major_ticks(), axis.get_majorticklocs()),
+                                (axis.get_minor_ticks(), axis.get_minorticklocs())):
+                for i, tick in enumerate(ticks):
+                    inside = i < len(locs) and lo - slack <= locs[i] <= hi + slack
+                    drawn.update({id(tick.label1): inside, id(tick.label2): inside})
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
+            and drawn.get(id(t), True)]
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_every_figure_reads_in_the_notebook_column(ranks, name):
+    import matplotlib as mpl
+
+    from labkit.plots._common import COURSE_RC, MAX_WIDTH_IN, MIN_TEXT_PT
+
+    before = dict(mpl.rcParams)
+    fig = _figure_cases(ranks)[name]()
+    assert dict(mpl.rcParams) == before, "a figure must leave the learner's rcParams alone"
+    if name != "live_training_curves":
+        assert getattr(getattr(plots, name), "course_style", False), \
+            f"{name} must draw inside the course style (@course_figure)"
+    fig.canvas.draw()
+
+    # the course's style: its sizes, and its colours first
+    labelled = [a for a in fig.axes if a.xaxis.label.get_text()]
+    titled = [a for a in fig.axes if a.get_title()]
+    legends = _legends(fig)
+    assert labelled or titled or legends, f"{name}: no label, title or legend to check"
+    for legend in legends:
+        assert {t.get_fontsize() for t in legend.get_texts()} == {COURSE_RC["legend.fontsize"]}
+    for ax in labelled:
+        assert ax.xaxis.label.get_fontsize() == COURSE_RC["axes.labelsize"]
+    for ax in titled:
+        assert ax.title.get_fontsize() == COURSE_RC["axes.titlesize"]
+    ticks = [t for a in fig.axes if a.axison for t in a.get_xticklabels() + a.get_yticklabels()
+             if t.get_text()]
+    assert all(t.get_fontsize() == COURSE_RC["xtick.labelsize"] for t in ticks), name
+
+    # no wider than the notebook's column, as Jupyter crops it (0.1 inch of padding each side)
+    assert fig.get_size_inches()[0] <= MAX_WIDTH_IN + 1e-9
+    shown = fig.get_tightbbox().width + 0.2
+    assert shown <= MAX_WIDTH_IN + 1e-9, f"{name} is shown {shown:.2f} inches wide"
+
+    # text no smaller than the notebook's, and no text on another
+    texts = _texts_shown(fig)
+    small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < MIN_TEXT_PT]
+    assert not small, f"{name}: text under {MIN_TEXT_PT} pt: {small[:5]}"
+    boxes = [(t.get_text(), t.get_window_extent()) for t in texts]
+    clashes = [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:]
+               if _overlaps(box_a, box_b)]
+    assert not clashes, f"{name}: texts on each other: {clashes[:5]}"
+
+    # every legend off the data, its own axes' and the others'
+    data = _data_on_screen(fig)
+    for legend in _legends(fig):
+        frame = legend.get_window_extent()
+        covered = [box for box in data if _overlaps(box, frame)]
+        assert not covered, f"{name}: the legend covers data at {covered[:3]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .._sizes import whole
+from ._common import MAX_WIDTH_IN, course_figure
 
 __all__ = ["check_image", "augmentation_grid"]
 
@@ -51,6 +52,7 @@ def _displayable(out, normalize_step):
     return x.float().clamp(0, 1).permute(1, 2, 0).squeeze(-1).numpy()
 
 
+@course_figure
 def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
     """The original image and ``n`` random augmentations of it, in a grid; returns the Figure.
 
@@ -79,13 +81,14 @@ def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
         pictures = [_displayable(transform(tensor.clone()), step) for _ in range(n)]
     cols = math.ceil(math.sqrt(n + 1))
     rows = math.ceil((n + 1) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(1.8 * cols, 1.8 * rows), squeeze=False)
+    cell = min(1.8, MAX_WIDTH_IN / cols)  # many copies: smaller cells, never a wider figure
+    fig, axes = plt.subplots(rows, cols, figsize=(cell * cols, cell * rows), squeeze=False)
     cells = list(axes.flat)
     for ax, picture in zip(cells, [arr, *pictures], strict=False):
         ax.imshow(picture, cmap="gray" if picture.ndim == 2 else None)
         ax.set_axis_off()
     for ax in cells[n + 1:]:
         fig.delaxes(ax)
-    cells[0].set_title("original", fontsize=9)
+    cells[0].set_title("original")
     fig.tight_layout()
     return fig

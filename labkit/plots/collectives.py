@@ -3,11 +3,12 @@ parameter server's staleness, compression's bytes against accuracy."""
 
 from __future__ import annotations
 
-from ._common import check_rows, figure_for, size_label
+from ._common import check_rows, course_figure, figure_for, legend_outside, size_label
 
 __all__ = ["bandwidth_plot", "staleness_plot", "bytes_accuracy_plot"]
 
 
+@course_figure
 def bandwidth_plot(rows: list[dict], ax=None, model: list[dict] | None = None):
     """Algorithm and bus bandwidth against message size (log-log), from ``allreduce_sweep`` rows.
 
@@ -30,7 +31,7 @@ def bandwidth_plot(rows: list[dict], ax=None, model: list[dict] | None = None):
     if missing:
         raise ValueError(f"rows lack {sorted(missing)}: pass the rows allreduce_sweep returned")
     rows = sorted(rows, key=lambda r: r["bytes"])
-    fig, ax = figure_for(ax, (7, 4.5))
+    fig, ax = figure_for(ax, (9, 4.5))
     algorithms = list(dict.fromkeys(r.get("algorithm", "builtin") for r in rows))
     if len(algorithms) == 1:
         sizes = [r["bytes"] for r in rows]
@@ -54,11 +55,12 @@ def bandwidth_plot(rows: list[dict], ax=None, model: list[dict] | None = None):
     who = f": {ranks} ranks, {backend}" if ranks and backend else ""
     ax.set_title(f"all-reduce bandwidth{who}")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend()
+    legend_outside(ax, "right", wrap=22)
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def staleness_plot(result: dict, ax=None):
     """Each update's staleness, in the order the server applied it, one colour per worker.
 
@@ -75,7 +77,7 @@ def staleness_plot(result: dict, ax=None):
     if missing:
         raise ValueError(f"result lacks {sorted(missing)}: pass rank 0's return value of "
                          f"parameter_server (values[0])")
-    fig, ax = figure_for(ax, (7, 3.5))
+    fig, ax = figure_for(ax, (8.5, 3.8))
     for worker in sorted(set(result["pushed_by"])):
         points = [(i, s) for i, (s, who) in enumerate(zip(result["staleness"], result["pushed_by"],
                                                           strict=True)) if who == worker]
@@ -83,12 +85,13 @@ def staleness_plot(result: dict, ax=None):
     ax.set_xlabel("gradient applied (in arrival order)")
     ax.set_ylabel("staleness (updates since its weights)")
     ax.set_title(f"{result['mode']} parameter server")
-    ax.legend(frameon=False)
     ax.grid(alpha=0.3)
+    legend_outside(ax, "right", markerscale=2)
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def bytes_accuracy_plot(rows: list[dict], ax=None):
     """Accuracy against the bytes each rank sent (a fraction of dense training's), labelled.
 
@@ -103,12 +106,12 @@ def bytes_accuracy_plot(rows: list[dict], ax=None):
     if not rows:
         raise ValueError(f"no rows to plot: {advice}")
     check_rows(rows, ["bytes_per_rank", "dense_bytes", "accuracy", "label"], "rows", advice)
-    fig, ax = figure_for(ax, (6, 4))
+    fig, ax = figure_for(ax, (7, 4.5))
     for r in rows:
         share = r["bytes_per_rank"] / r["dense_bytes"]
         ax.plot(share, r["accuracy"], "o")
         ax.annotate(r["label"], (share, r["accuracy"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=8)
+                    xytext=(5, 4))
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per rank (fraction of dense)")
     ax.set_ylabel("validation accuracy")

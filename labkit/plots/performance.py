@@ -3,11 +3,12 @@ buckets overlapping backward, memory against a budget."""
 
 from __future__ import annotations
 
-from ._common import check_rows, figure_for
+from ._common import check_rows, course_figure, figure_for, legend_outside
 
 __all__ = ["tuning_plot", "overlap_plot", "memory_plot"]
 
 
+@course_figure
 def tuning_plot(rows: list[dict], ax=None):
     """One bar per technique: how many times better it made its own baseline (log scale).
 
@@ -31,7 +32,7 @@ def tuning_plot(rows: list[dict], ax=None):
     bad = [r["technique"] for r in rows if not r["speedup"] > 0]
     if bad:
         raise ValueError(f"speedup must be > 0 to sit on a log axis; not for {bad}")
-    fig, ax = figure_for(ax, (8, 0.45 * len(rows) + 1.4))
+    fig, ax = figure_for(ax, (9, 0.5 * len(rows) + 1.6))
     names = [r["technique"] for r in rows][::-1]  # first row on top
     gains = [r["speedup"] for r in rows][::-1]
     colors = ["tab:green" if g >= 1 else "tab:red" for g in gains]
@@ -40,9 +41,9 @@ def tuning_plot(rows: list[dict], ax=None):
     ax.set_xscale("log", base=2)
     ax.axvline(1.0, color="k", lw=1)
     for y, (g, r) in enumerate(zip(gains, rows[::-1], strict=True)):
-        ax.text(g, y, f" {g:.2f}x ({r['unit']})", va="center", fontsize=8)
+        ax.text(g, y, f" {g:.2f}x ({r['unit']})", va="center")
     lo, hi = min(gains + [1.0]), max(gains + [1.0])
-    ax.set_xlim(lo / 1.5, hi * 4)  # room on the right for the labels
+    ax.set_xlim(lo / 1.5, hi * 8)  # room on the right for the labels
     ax.set_xlabel("gain over the baseline (x, log scale; > 1 is better)")
     ax.set_title("performance tuning: each technique against its own baseline")
     ax.grid(axis="x", alpha=0.3)
@@ -50,6 +51,7 @@ def tuning_plot(rows: list[dict], ax=None):
     return fig
 
 
+@course_figure
 def overlap_plot(rows: list[dict], ax=None):
     """DDP's step per bucket size as stacked bars: compute, exposed and hidden communication.
 
@@ -74,7 +76,7 @@ def overlap_plot(rows: list[dict], ax=None):
     check_rows(rows, ["bucket_cap_mb", "allreduces", "compute_s", "step_s", "serial_s",
                        "hidden_fraction"], "rows", advice)
     rows = sorted(rows, key=lambda r: r["bucket_cap_mb"])
-    fig, ax = figure_for(ax, (7, 4))
+    fig, ax = figure_for(ax, (9, 4.5))
     compute = [r["compute_s"] * 1e3 for r in rows]
     comm = [max(0.0, r["serial_s"] - r["compute_s"]) * 1e3 for r in rows]
     step = [r["step_s"] * 1e3 for r in rows]
@@ -91,20 +93,21 @@ def overlap_plot(rows: list[dict], ax=None):
     for i, r in enumerate(rows):
         share = r["hidden_fraction"]
         ax.text(i, max(compute[i] + comm[i], step[i]), "hidden n/a" if share is None else
-                f"hidden {share:.0%}", ha="center", va="bottom", fontsize=9)
+                f"hidden {share:.0%}", ha="center", va="bottom")
     ax.set_xticks(x, [f"{r['bucket_cap_mb']:g} MB\n{r['allreduces']:.0f} bucket"
                       f"{'' if r['allreduces'] == 1 else 's'}" for r in rows])
     top = max(max(c + t for c, t in zip(compute, comm, strict=True)), max(step))
-    ax.set_ylim(0, top * 1.45)  # room for the labels and the legend
+    ax.set_ylim(0, top * 1.15)  # room for the labels above the bars
     ax.set_xlabel("bucket_cap_mb")
     ax.set_ylabel("ms per step (slowest rank)")
     ax.set_title("DDP: the communication that overlap hides, by bucket size")
-    ax.legend(fontsize=8, loc="upper left", frameon=False, ncols=2)
     ax.grid(axis="y", alpha=0.3)
+    legend_outside(ax, "right", wrap=18)
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def memory_plot(rows: list[dict], budget: float, ax=None):
     """Training memory against the batch: the estimate's line, the measured peaks, the budget.
 
@@ -120,7 +123,7 @@ def memory_plot(rows: list[dict], budget: float, ax=None):
     if not rows:
         raise ValueError(f"no rows to plot: {advice}")
     check_rows(rows, ["batch", "estimate", "peak"], "rows", advice)
-    fig, ax = figure_for(ax, (6, 4))
+    fig, ax = figure_for(ax, (8.5, 4.5))
     rows = sorted(rows, key=lambda r: r["batch"])
     ax.plot([r["batch"] for r in rows], [r["estimate"] / 2**20 for r in rows], "-",
             label="estimate: params + grads + optimizer + activations")
@@ -131,6 +134,6 @@ def memory_plot(rows: list[dict], budget: float, ax=None):
     ax.set_xlabel("batch size")
     ax.set_ylabel("MiB per device")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_outside(ax, "right", wrap=24)
     fig.tight_layout()
     return fig

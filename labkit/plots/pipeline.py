@@ -3,7 +3,7 @@ zero-bubble schedules) and the bubble against the number of micro-batches."""
 
 from __future__ import annotations
 
-from ._common import figure_for
+from ._common import MIN_TEXT_PT, course_figure, figure_for, fit_labels, legend_outside
 
 __all__ = ["pipeline_timeline", "bubble_plot", "schedule_timeline_plot"]
 
@@ -26,6 +26,7 @@ def _events_of_step(events: list[dict], step: int, source: str) -> list[dict]:
     return shown
 
 
+@course_figure
 def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 0, ax=None):
     """Gantt chart of one pipeline step: one row per rank, F and B blocks, idle as gaps.
 
@@ -47,26 +48,31 @@ def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 
     t0 = min(e["start"] for e in shown)
     # Measured steps last milliseconds; simulate()'s unit slots (1.0, 2.0) are drawn as they are.
     scale, unit = (1e3, "ms") if max(e["end"] for e in shown) - t0 < 2 else (1.0, "s")
-    fig, ax = figure_for(ax, (10, 0.6 * len(ranks) + 1.4))
+    fig, ax = figure_for(ax, (9.5, 0.65 * len(ranks) + 1.5))
+    labelled = []
     for e in shown:
         left, width = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
-        ax.barh(e["rank"], width, left=left, height=0.7, color=_PIPELINE_COLOURS[e["kind"]],
-                edgecolor="white", linewidth=0.8)
-        ax.text(left + width / 2, e["rank"], str(e["micro"]), ha="center", va="center",
-                color="white", fontsize=8, clip_on=True)
+        (bar,) = ax.barh(e["rank"], width, left=left, height=0.7,
+                         color=_PIPELINE_COLOURS[e["kind"]], edgecolor="white", linewidth=0.8)
+        labelled.append((ax.text(left + width / 2, e["rank"], str(e["micro"]), ha="center",
+                                 va="center", color="white", fontsize=MIN_TEXT_PT,
+                                 clip_on=True), bar))
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()  # rank 0, the first stage, on top
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, None)
-    ax.legend(handles=[Patch(color=c, label={"F": "forward", "B": "backward"}[k])
-                       for k, c in _PIPELINE_COLOURS.items()],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    legend_outside(ax, "right", handles=[Patch(color=c, label={"F": "forward",
+                                                                "B": "backward"}[k])
+                                         for k, c in _PIPELINE_COLOURS.items()],
+                   labels=["forward", "backward"])
     if title:
         ax.set_title(title)
     fig.tight_layout()
+    fit_labels(labelled)  # at its final size: a block too narrow for its number stays bare
     return fig
 
 
+@course_figure
 def bubble_plot(rows: list[dict], ax=None):
     """Measured bubble against the micro-batch count ``m``, beside ``(p - 1) / (m + p - 1)``.
 
@@ -87,7 +93,7 @@ def bubble_plot(rows: list[dict], ax=None):
     missing = {"schedule", "m", "measured", "formula", "stages"} - set(rows[0])
     if missing:
         raise ValueError(f"rows lack {sorted(missing)}: pass the rows bubble_sweep returned")
-    fig, ax = figure_for(ax, (6, 4))
+    fig, ax = figure_for(ax, (9, 4.5))
     ms = sorted({r["m"] for r in rows})
     formula = {r["m"]: r["formula"] for r in rows}
     stages = rows[0]["stages"]
@@ -106,8 +112,8 @@ def bubble_plot(rows: list[dict], ax=None):
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("bubble (idle fraction)")
     ax.set_ylim(0, max(0.55, max(r["measured"] for r in rows) * 1.1))
-    ax.legend(frameon=False)
     ax.grid(alpha=0.3)
+    legend_outside(ax, "right", wrap=24)
     fig.tight_layout()
     return fig
 
@@ -116,6 +122,7 @@ def bubble_plot(rows: list[dict], ax=None):
 _SCHEDULE_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
+@course_figure
 def schedule_timeline_plot(events: list[dict], title: str | None = None, step: int = 0, ax=None):
     """Gantt chart of one pipeline step with chunks and split backwards: one row per rank.
 
@@ -145,25 +152,24 @@ def schedule_timeline_plot(events: list[dict], title: str | None = None, step: i
         scale, unit = (1e3, "ms") if max(e["end"] for e in shown) - t0 < 2 else (1.0, "s")
     else:
         scale, unit = 1.0, "time units"
-    span = float(max(e["end"] for e in shown) - t0) * scale
-    if span <= 0:
+    if max(e["end"] for e in shown) <= t0:
         raise ValueError("every event has zero length: nothing to draw (simulate with positive "
                          "costs f, b, w, or pass a measured step)")
-    fig, ax = figure_for(ax, (11, 0.55 * len(ranks) + 1.5))
-    # Points per time unit, to leave out the labels that would not fit in their block.
-    per_unit = ax.get_window_extent().width * 72 / fig.dpi / span
+    fig, ax = figure_for(ax, (9.5, 0.6 * len(ranks) + 1.6))
+    labelled = []
     for e in shown:
         chunk = e.get("chunk", 0)
         base = mcolors.to_rgb(_SCHEDULE_COLOURS[e["kind"]])
         fade = 0.55 * chunk / max(chunks - 1, 1)  # later chunks paler, towards white
         colour = tuple(c + (1 - c) * fade for c in base)
         left, width = float(e["start"] - t0) * scale, float(e["end"] - e["start"]) * scale
-        ax.barh(e["rank"], width, left=left, height=0.7, color=colour, edgecolor="white",
-                linewidth=0.6)
+        (bar,) = ax.barh(e["rank"], width, left=left, height=0.7, color=colour,
+                         edgecolor="white", linewidth=0.6)
         label = f"{chunk}.{e['micro']}" if chunks > 1 else str(e["micro"])
-        if len(label) * 7 * 0.62 < width * per_unit:
-            ax.text(left + width / 2, e["rank"], label, ha="center", va="center", fontsize=7,
-                    color="black" if fade > 0.3 else "white", clip_on=True)
+        labelled.append((ax.text(left + width / 2, e["rank"], label, ha="center", va="center",
+                                 color="black" if fade > 0.3 else "white", fontsize=MIN_TEXT_PT,
+                                 clip_on=True),
+                         bar))
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()  # rank 0, the first stage, on top
     ax.set_xlabel(f"time ({unit})")
@@ -174,8 +180,12 @@ def schedule_timeline_plot(events: list[dict], title: str | None = None, step: i
     handles = [Patch(color=_SCHEDULE_COLOURS[k], label=names[k]) for k in kinds]
     if chunks > 1:
         handles.append(Patch(color="#BBBBBB", label="paler: later chunk (label chunk.micro)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    legend_outside(ax, "right", handles=handles, labels=[h.get_label() for h in handles],
+                   wrap=16)
     if title:
         ax.set_title(title)
     fig.tight_layout()
+    # At its final size: a block too narrow for its label stays bare (the colours still say
+    # what it is), rather than its label running into the next one's.
+    fit_labels(labelled)
     return fig

@@ -3,7 +3,7 @@ schedule, work and memory, and experts over ranks (traffic, load, placement)."""
 
 from __future__ import annotations
 
-from ._common import check_rows, figure_for
+from ._common import MAX_WIDTH_IN, check_rows, course_figure, figure_for, legend_outside
 
 __all__ = ["sp_activation_bytes", "sp_layout", "ring_schedule_plot", "ring_work_plot",
            "ring_memory_plot", "expert_traffic_matrix", "expert_load_plot",
@@ -12,6 +12,7 @@ __all__ = ["sp_activation_bytes", "sp_layout", "ring_schedule_plot", "ring_work_
 
 # ---- sequence parallelism (notebook 09) ---------------------------------------------------------
 
+@course_figure
 def sp_activation_bytes(rows, *, ax=None):
     """Activation bytes per rank of one transformer block, by region: dense, TP, SP.
 
@@ -26,7 +27,7 @@ def sp_activation_bytes(rows, *, ax=None):
                 "pass sequence.activation_rows(result) of a sequence.sp_check result")
     labels = {"layernorm": "LayerNorm inputs", "attention": "attention",
               "mlp": "MLP", "dropout": "dropout masks"}
-    fig, ax = figure_for(ax, (7, 3.8))
+    fig, ax = figure_for(ax, (9, 4.2))
     names = [r["version"] for r in rows]
     bottom = [0.0] * len(rows)
     for i, region in enumerate(regions):
@@ -37,15 +38,16 @@ def sp_activation_bytes(rows, *, ax=None):
                zorder=3, label="measured (saved_tensors_hooks)")
     for name, r in zip(names, rows, strict=True):
         ax.annotate(f"{r['measured'] / 1e3:.1f}", (name, r["measured"] / 1e3),
-                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+                    textcoords="offset points", xytext=(0, 6), ha="center")
     ax.set_ylabel("kB kept for backward, per rank")
-    ax.set_title("one block's activations: what TP leaves replicated, SP splits")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title("one block's activations:\nwhat TP leaves replicated, SP splits")
     ax.set_ylim(0, max(bottom) * 1.2)
+    legend_outside(ax, "right", wrap=18)
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def sp_layout(tp, *, sent_bytes=None, ax=None):
     """Who holds what in a tensor-parallel and a sequence-parallel block, and what moves.
 
@@ -57,9 +59,10 @@ def sp_layout(tp, *, sent_bytes=None, ax=None):
     """
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    fig, ax = figure_for(ax, (10, 4.2))
-    w, h, gap = 1.6, 1.2, 2.2
+    fig, ax = figure_for(ax, (MAX_WIDTH_IN, 5.8))
+    w, h, gap = 1.6, 1.2, 2.9
     xs = [0, w + gap, 2 * (w + gap)]
+    top_row = 2.6  # the TP row's bottom; the SP row sits at 0, each row titled above it
 
     def box(x, y, split):
         if split not in ("seq", "hidden"):  # replicated: the whole tensor on every rank
@@ -73,8 +76,8 @@ def sp_layout(tp, *, sent_bytes=None, ax=None):
             ax.add_patch(rect)
         ax.add_patch(Rectangle((x, y), w, h, fill=False, lw=1))
 
-    rows = (("tp", 2.2, "replicated", ("f: identity\n(all-reduce in backward)",
-                                        "g: all-reduce\n(identity in backward)")),
+    rows = (("tp", top_row, "replicated", ("f: identity\n(all-reduce in backward)",
+                                            "g: all-reduce\n(identity in backward)")),
             ("sp", 0.0, "seq", ("all-gather\n(reduce-scatter in backward)",
                                 "reduce-scatter\n(all-gather in backward)")))
     for name, y, outer, (into, out_of) in rows:
@@ -84,37 +87,39 @@ def sp_layout(tp, *, sent_bytes=None, ax=None):
         for (a, b), label in (((xs[0] + w, xs[1]), into), ((xs[1] + w, xs[2]), out_of)):
             ax.add_patch(FancyArrowPatch((a + 0.05, y + h / 2), (b - 0.05, y + h / 2),
                                          arrowstyle="-|>", mutation_scale=14, lw=1.2))
-            ax.text((a + b) / 2, y + h / 2 + 0.12, label, ha="center", va="bottom", fontsize=7.5)
+            ax.text((a + b) / 2, y + h / 2 + 0.12, label, ha="center", va="bottom")
         title = "tensor parallel" if name == "tp" else "tensor + sequence parallel"
         if sent_bytes is not None and name in sent_bytes:
             title += f"\n{sent_bytes[name] / 1e3:.1f} kB sent per rank, forward"
-        ax.text(-0.45, y + h / 2, title, ha="right", va="center", fontsize=9)
+        ax.text(xs[0] - 0.2, y + h + 0.1, title, ha="left", va="bottom", fontweight="bold"
+                if sent_bytes is None else "normal")
         where = ("every rank: all s tokens" if outer == "replicated"
                  else f"rank r: tokens r*s/{tp} ...")
         for x in (xs[0], xs[2]):
-            ax.text(x + w / 2, y - 0.12, where, ha="center", va="top", fontsize=7.5)
-        ax.text(xs[1] + w / 2, y - 0.12, f"rank r: heads r*a/{tp} ..., all s tokens",
-                ha="center", va="top", fontsize=7.5)
+            ax.text(x + w / 2, y - 0.1, where, ha="center", va="top")
+        ax.text(xs[1] + w / 2, y - 0.1, f"rank r: heads r*a/{tp} ...,\nall s tokens",
+                ha="center", va="top")
     for x, label in zip(xs, ("LayerNorm, dropout,\nresidual", "QKV, attention, proj /\n"
                                                              "fc1, GELU, fc2",
                              "dropout, residual,\nnext LayerNorm"), strict=True):
-        ax.text(x + w / 2, 2.2 + h + 0.1, label, ha="center", va="bottom", fontsize=8)
-    ax.text(xs[0] - 0.08, 0.0 + h / 2, "seq", rotation=90, ha="right", va="center", fontsize=7)
-    ax.text(xs[0] + w / 2, -0.45, "hidden", ha="center", va="top", fontsize=7)
+        ax.text(x + w / 2, top_row + h + 0.85, label, ha="center", va="bottom")
+    ax.text(xs[0] - 0.08, 0.0 + h / 2, "seq", rotation=90, ha="right", va="center")
+    ax.text(xs[0] + w / 2, -0.45, "hidden", ha="center", va="top")
     handles = [Rectangle((0, 0), 1, 1, color=f"C{r}", alpha=0.75) for r in range(tp)]
     handles.append(Rectangle((0, 0), 1, 1, color="0.8"))
-    ax.legend(handles, [f"rank {r}" for r in range(tp)] + ["replicated"], fontsize=7.5,
-              loc="lower right", bbox_to_anchor=(1.0, -0.05), ncol=tp + 1, frameon=False)
-    ax.set_xlim(-3.0, xs[2] + w + 0.2)
-    ax.set_ylim(-0.9, 2.2 + h + 0.6)
+    ax.set_xlim(-0.5, xs[2] + w + 0.5)
+    ax.set_ylim(-0.85, top_row + h + 1.55)
     ax.set_aspect("equal")
     ax.axis("off")
+    legend_outside(ax, "below", handles=handles,
+                   labels=[f"rank {r}" for r in range(tp)] + ["replicated"], ncol=tp + 1)
     fig.tight_layout()
     return fig
 
 
 # ---- ring attention (notebook 09) ---------------------------------------------------------------
 
+@course_figure
 def ring_schedule_plot(rows: list[dict], ax=None):
     """Who holds which key/value chunk at each ring step, and which score blocks are computed.
 
@@ -134,7 +139,7 @@ def ring_schedule_plot(rows: list[dict], ax=None):
         raise ValueError("pass the rows of labkit.parallel.context.ring_schedule(world, order)")
     world = max(r["rank"] for r in rows) + 1
     steps = max(r["step"] for r in rows) + 1
-    fig, ax = figure_for(ax, (1.3 * steps + 1.5, 0.9 * world + 1))
+    fig, ax = figure_for(ax, (min(1.4 * steps + 2.5, MAX_WIDTH_IN), 0.95 * world + 1.2))
     colors = {"full": "#2b6cb0", "diagonal": "#90cdf4", "skipped": "white"}
     for r in rows:
         x0, y0 = r["step"], r["rank"]
@@ -146,7 +151,7 @@ def ring_schedule_plot(rows: list[dict], ax=None):
             ax.add_patch(Rectangle((x0 + 0.1 + j * w, y0 + 0.35 + i * h), w, h,
                                    facecolor=colors[b["kind"]], edgecolor="0.4", linewidth=0.6))
         label = "K/V " + ",".join(map(str, r["kv_chunks"]))
-        ax.text(x0 + 0.5, y0 + 0.2, label, ha="center", va="center", fontsize=8)
+        ax.text(x0 + 0.5, y0 + 0.2, label, ha="center", va="center")
     ax.set_xlim(0, steps)
     ax.set_ylim(world, 0)
     ax.set_xticks([s + 0.5 for s in range(steps)], [str(s) for s in range(steps)])
@@ -159,11 +164,12 @@ def ring_schedule_plot(rows: list[dict], ax=None):
         side.set_visible(False)
     ax.legend(handles=[Patch(facecolor=colors[k], edgecolor="0.4", label=k)
                        for k in ("full", "diagonal", "skipped")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def ring_work_plot(rows: list[dict], ax=None):
     """Attention scores each rank computes in causal ring attention, contiguous vs zigzag.
 
@@ -182,7 +188,7 @@ def ring_work_plot(rows: list[dict], ax=None):
 
     if not rows or not {"rank", "order", "scores", "blocks"} <= set(rows[0]):
         raise ValueError("pass the rows of labkit.parallel.context.ring_check (every rank's)")
-    fig, ax = figure_for(ax, (6.5, 3.8))
+    fig, ax = figure_for(ax, (9, 4.5))
     orders = list(dict.fromkeys(r["order"] for r in rows))
     width = 0.8 / len(orders)
     for i, order in enumerate(orders):
@@ -194,21 +200,21 @@ def ring_work_plot(rows: list[dict], ax=None):
             if r.get("compute_s") is not None:
                 text += f"\n{r['compute_s'] * 1e3:.1f} ms"
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center",
-                    va="bottom", fontsize=7)
+                    va="bottom")
         ax.axhline(max(r["scores"] for r in mine), color=bars[0].get_facecolor(),
                    linestyle="--", linewidth=1)
     ranks = sorted({r["rank"] for r in rows})
     ax.set_xticks(ranks, [f"rank {k}" for k in ranks])
     ax.set_ylabel("query-key scores computed")
-    ax.set_ylim(0, max(r["scores"] for r in rows) * 1.3)
+    ax.set_ylim(0, max(r["scores"] for r in rows) * 1.35)  # room for the labels
     causal = "causal" if rows[0].get("causal", True) else "not causal"
-    ax.set_title(f"ring attention, {causal}: work per rank (dashed: the busiest rank)",
-                 fontsize=9)
-    ax.legend(frameon=False, fontsize=8, loc="upper left")
+    ax.set_title(f"ring attention, {causal}: work per rank\n(dashed: the busiest rank)")
+    legend_outside(ax, "right")
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def ring_memory_plot(rows: list[dict], ax=None):
     """Bytes kept for backward per rank against the sequence length: full vs ring attention.
 
@@ -225,7 +231,7 @@ def ring_memory_plot(rows: list[dict], ax=None):
     keys = {"seq", "full", "full_formula", "ring", "ring_formula"}
     if not rows or not keys <= set(rows[0]):
         raise ValueError("pass the rows of labkit.parallel.context.memory_sweep")
-    fig, ax = figure_for(ax, (6, 4))
+    fig, ax = figure_for(ax, (9, 4.5))
     rows = sorted(rows, key=lambda r: r["seq"])
     seqs = [r["seq"] for r in rows]
     n = rows[0].get("world", "n")
@@ -244,13 +250,14 @@ def ring_memory_plot(rows: list[dict], ax=None):
     ax.set_xlabel("sequence length s")
     ax.set_ylabel("KiB saved for backward")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(frameon=False, fontsize=8)
+    legend_outside(ax, "right", wrap=24)
     fig.tight_layout()
     return fig
 
 
 # ---- experts over ranks (notebook 09) -----------------------------------------------------------
 
+@course_figure
 def expert_traffic_matrix(results: list[dict], ax=None):
     """Rows each rank sends to each rank, as a heatmap, from ``moe_check`` (one dict per rank).
 
@@ -268,7 +275,7 @@ def expert_traffic_matrix(results: list[dict], ax=None):
         raise ValueError("pass the list of dicts moe_check returned (one per rank)")
     matrix = [r["send_counts"] for r in sorted(results, key=lambda r: r["rank"])]
     n = len(matrix)
-    fig, ax = figure_for(ax, (1.2 * n + 2.5, 1.1 * n + 1.5))
+    fig, ax = figure_for(ax, (min(1.2 * n + 3, MAX_WIDTH_IN), min(1.1 * n + 2, 8.0)))
     image = ax.imshow(matrix, cmap="Blues", vmin=0)
     top = max(max(row) for row in matrix) or 1
     for i, row in enumerate(matrix):
@@ -286,6 +293,7 @@ def expert_traffic_matrix(results: list[dict], ax=None):
     return fig
 
 
+@course_figure
 def expert_load_plot(rows: list[dict], ax=None):
     """Tokens per expert over training steps, with and without the load-balancing loss.
 
@@ -301,7 +309,7 @@ def expert_load_plot(rows: list[dict], ax=None):
 
     if not rows or not {"aux", "step", "tokens_per_expert", "dropped"} <= set(rows[0]):
         raise ValueError("pass the rows balance_sweep returned")
-    fig, ax = figure_for(ax, (6.5, 4))
+    fig, ax = figure_for(ax, (8.5, 5))
     counts = rows[0]["tokens_per_expert"]
     fair = sum(counts) / len(counts)
     for aux, color in ((False, "tab:red"), (True, "tab:blue")):
@@ -320,12 +328,13 @@ def expert_load_plot(rows: list[dict], ax=None):
     ax.set_xlabel("training step")
     ax.set_ylabel("rows per expert (band: idlest to busiest)")
     ax.set_ylim(bottom=0)
-    ax.legend(frameon=False, fontsize="small")
     ax.grid(alpha=0.3)
+    legend_outside(ax, "below")  # the curves fill the axes from edge to edge
     fig.tight_layout()
     return fig
 
 
+@course_figure
 def expert_placement_plot(tokens_per_expert: list[int], world: int, capacity=None, ax=None):
     """Who holds which experts: one bar per expert (its rows), coloured by the rank holding it.
 
@@ -346,7 +355,7 @@ def expert_placement_plot(tokens_per_expert: list[int], world: int, capacity=Non
         raise ValueError(f"{n_experts} experts do not split over {world} ranks: pass one count "
                          f"per expert and the number of ranks that hold them")
     per_rank = n_experts // world
-    fig, ax = figure_for(ax, (max(5, 0.5 * n_experts + 2), 3.5))
+    fig, ax = figure_for(ax, (min(max(6, 0.5 * n_experts + 3), MAX_WIDTH_IN), 4.5))
     colors = plt.get_cmap("tab10")
     for rank in range(world):
         experts = list(range(rank * per_rank, (rank + 1) * per_rank))
@@ -355,12 +364,11 @@ def expert_placement_plot(tokens_per_expert: list[int], world: int, capacity=Non
     if capacity is not None:
         ax.axhline(capacity, color="k", ls="--", label=f"capacity ({capacity} rows)")
     top = max([*tokens_per_expert, capacity or 0, 1])
-    ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
+    ax.set_ylim(0, top * 1.1)
     ax.set_xticks(range(n_experts))
     ax.set_xlabel("expert")
     ax.set_ylabel("rows routed to it")
     ax.set_title("experts and the ranks that hold them")
-    ax.legend(frameon=False, fontsize="small", ncol=min(world + (capacity is not None), 3),
-              loc="upper center")
+    legend_outside(ax, "below", ncol=min(world + (capacity is not None), 2))
     fig.tight_layout()
     return fig

@@ -3,7 +3,7 @@ against its prediction, and large-batch accuracy under the LR rules."""
 
 from __future__ import annotations
 
-from ._common import check_rows, figure_for, integer_ticks, rows_by
+from ._common import check_rows, course_figure, figure_for, integer_ticks, legend_outside, rows_by
 
 __all__ = ["training_curves", "live_training_curves", "scaling_plot", "large_batch_plot"]
 
@@ -33,6 +33,7 @@ def _runs(history) -> dict:
     return runs
 
 
+@course_figure
 def training_curves(history, ax=None):
     """Loss and accuracy per epoch, train solid and validation dashed, the gap between shaded.
 
@@ -45,10 +46,11 @@ def training_curves(history, ax=None):
         >>> fig = training_curves({"no augmentation": plain, "augmentation": augmented})
     """
     from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
 
     runs = _runs(history)
     if ax is None:
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9.5, 4))
     else:
         pair = list(ax) if isinstance(ax, (list, tuple)) or hasattr(ax, "flat") else [ax]
         if len(pair) != 2 or not all(hasattr(a, "plot") for a in pair):
@@ -63,17 +65,22 @@ def training_curves(history, ax=None):
         prefix = f"{label}: " if label else ""
         for a, metric in ((ax_loss, "loss"), (ax_acc, "acc")):
             train = [r[f"train_{metric}"] for r in rows]
-            a.plot(epochs, train, "o-", color=colour, markersize=3, label=f"{prefix}train")
+            a.plot(epochs, train, "o-", color=colour, markersize=4, label=f"{prefix}train")
             if all(r.get(f"val_{metric}") is not None for r in rows):
                 val = [r[f"val_{metric}"] for r in rows]
-                a.plot(epochs, val, "s--", color=colour, markersize=3, label=f"{prefix}validation")
+                a.plot(epochs, val, "s--", color=colour, markersize=4,
+                       label=f"{prefix}validation")
                 a.fill_between(epochs, train, val, color=colour, alpha=0.15, linewidth=0)
     for a, name in ((ax_loss, "loss"), (ax_acc, "accuracy")):
         a.set_xlabel("epoch")
         a.set_ylabel(name)
-        a.set_title(f"{name} (shaded: train-validation gap)")
+        a.set_title(name)
         a.grid(True, alpha=0.3)
-        a.legend(fontsize=8)
+    # one legend for both panels (they draw the same runs), beside the accuracy
+    handles, labels = ax_acc.get_legend_handles_labels()
+    handles.append(Patch(color="0.5", alpha=0.3, linewidth=0))
+    labels.append("shaded: train-validation gap")
+    legend_outside(ax_acc, "right", handles=handles, labels=labels, wrap=18)
     fig.tight_layout()
     return fig
 
@@ -109,15 +116,18 @@ def live_training_curves():
 
 _SCALING_KEYS = ("mode", "workers", "samples_per_s", "speedup", "efficiency")
 
+@course_figure
 def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
-    """Data-parallel scaling: throughput, then speedup and efficiency, against workers.
+    """Data-parallel scaling: throughput, speedup and efficiency against workers, three panels.
 
     ``rows`` are measured rows from ``labkit.ddp.measure_scaling`` (weak, strong or both modes,
     one colour per mode); ``prediction`` optionally adds model rows with the same keys, drawn
     dashed and usually reaching past the measured worker counts. Grey dotted lines are ideal
-    scaling: N times the one-worker throughput (left; skipped for a mode without a one-worker
-    row) and a speedup of N (right). Efficiency (speedup / N) is on the right-hand axis of the
-    right panel. The worker axis is log base 2 beyond 8 workers. Returns the Figure.
+    scaling: N times the one-worker throughput (skipped for a mode without a one-worker row),
+    a speedup of N and an efficiency of 1. Efficiency (speedup / N; a model row's own
+    ``efficiency`` when it has one) has its own panel, on its own 0 to 1.1 axis; the legend,
+    one for the three panels, fills the fourth corner. The worker axis is log base 2 beyond 8
+    workers. Returns the Figure.
 
     Example::
 
@@ -132,15 +142,19 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
         raise ValueError(f"no rows to plot: {advice}")
     check_rows(rows, _SCALING_KEYS, "rows", advice)
     prediction = list(prediction or [])
-    # predicted efficiency is not drawn (the speedup panel shows the same gap), so not required
+    # a model row's efficiency is its speedup / N, so it is not required
     check_rows(prediction, _SCALING_KEYS[:-1], "prediction rows",
                 f"each needs {', '.join(_SCALING_KEYS[:-1])}")
     measured, predicted = rows_by(rows, "mode", "workers"), rows_by(prediction, "mode", "workers")
     modes = list(dict.fromkeys([*measured, *predicted]))
     workers = sorted({r["workers"] for r in [*rows, *prediction]})
 
-    fig, (ax_tput, ax_speed) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_eff = ax_speed.twinx()
+    # Three panels and the legend in the fourth corner: efficiency (0 to 1) has its own axis,
+    # and a legend of every mode's lines covers none of them.
+    fig = plt.figure(figsize=(9.5, 7.5))
+    grid = fig.add_gridspec(2, 2)
+    ax_tput, ax_speed = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax_eff = fig.add_subplot(grid[1, 0])
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     ideals: set = set()
     for i, mode in enumerate(modes):
@@ -161,37 +175,41 @@ def scaling_plot(rows: list[dict], prediction: list[dict] | None = None):
                 for ax, key in ((ax_tput, "samples_per_s"), (ax_speed, "speedup")):
                     ax.plot(x, [r[key] for r in runs], style, color=colour,
                             label=f"{mode} {kind}")
-        if seen:
-            ax_eff.plot([r["workers"] for r in seen], [r["efficiency"] for r in seen], "s:",
-                        color=colour, alpha=0.5, markersize=4, label=f"{mode} efficiency")
+                # a model row may leave its efficiency out: it is its speedup / N
+                ax_eff.plot(x, [r.get("efficiency", r["speedup"] / r["workers"]) for r in runs],
+                            style, color=colour, label=f"{mode} {kind}")
     ax_speed.plot(workers, workers, ":", color="grey", label="ideal (speedup = N)")
 
     log = workers[-1] > 8  # 1 .. 64 on a linear axis crowds every measured point at the left
-    for ax in (ax_tput, ax_speed):
+    for ax in (ax_tput, ax_speed, ax_eff):
         integer_ticks(ax, workers, log)
+        ax.set_xlabel("workers")
+        ax.grid(True, alpha=0.3)
+    for ax in (ax_tput, ax_speed):
         if log:  # log-log: a constant efficiency is a straight line parallel to the ideal
             ax.set_yscale("log", base=2)
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-        ax.set_xlabel("workers")
-        ax.grid(True, alpha=0.3)
     ax_tput.set_ylabel("samples / s")
     ax_tput.set_title("throughput")
-    ax_tput.legend(fontsize=8, loc="best")
     ax_speed.set_ylabel("speedup (x one worker)")
-    ax_speed.set_title("speedup and efficiency")
+    ax_speed.set_title("speedup")
+    ax_eff.axhline(1.0, ls=":", color="grey", label="ideal (efficiency = 1)")
     ax_eff.set_ylim(0, 1.1)
-    ax_eff.set_ylabel("efficiency")
-    # one legend for both y axes (two would overlap); centre left lies between efficiency,
-    # which starts at 1 top left, and speedup, which starts at 1 bottom left; on log-log axes
-    # the curves rise from bottom left to top right and leave the bottom right free
-    handles, labels = ax_speed.get_legend_handles_labels()
-    more, more_labels = ax_eff.get_legend_handles_labels()
-    ax_eff.legend(handles + more, labels + more_labels, fontsize=8,
-                  loc="lower right" if log else "center left")
+    ax_eff.set_ylabel("efficiency (speedup / N)")
+    ax_eff.set_title("efficiency")
     fig.tight_layout()
+    # one legend for the three panels (a line of each label once), in the empty fourth corner
+    entries: dict = {}
+    for ax in (ax_tput, ax_speed, ax_eff):
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    corner = grid[1, 1].get_position(fig)
+    fig.legend(list(entries.values()), list(entries), loc="center",
+               bbox_to_anchor=corner.bounds)
     return fig
 
 
+@course_figure
 def large_batch_plot(rows: list[dict], ax=None):
     """Validation accuracy against global batch size, one line per learning-rate rule.
 
@@ -209,7 +227,7 @@ def large_batch_plot(rows: list[dict], ax=None):
     if not rows:
         raise ValueError(f"no rows to plot: {advice}")
     check_rows(rows, ("global_batch", "rule", "val_acc"), "rows", advice)
-    fig, ax = figure_for(ax, (7, 4.5))
+    fig, ax = figure_for(ax, (9, 4.5))
     for rule, runs in rows_by(rows, "rule", "global_batch").items():
         ax.plot([r["global_batch"] for r in runs], [r["val_acc"] for r in runs], "o-", label=rule)
     integer_ticks(ax, sorted({r["global_batch"] for r in rows}), log=True)
@@ -218,6 +236,6 @@ def large_batch_plot(rows: list[dict], ax=None):
     ax.set_ylabel("validation accuracy")
     ax.set_title("large-batch training: accuracy against global batch")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_outside(ax, "right", wrap=16)
     fig.tight_layout()
     return fig
