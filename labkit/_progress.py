@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 
 from ._protocol import CONTROLLER_PID
@@ -205,13 +206,16 @@ class ProgressBars:
 
     def starting(self, nproc: int) -> None:
         """Say that ``nproc`` workers are starting: at once, before any of them is up."""
-        self.began, self.nproc = time.monotonic(), nproc
-        self.header = f"starting {nproc} worker{'s' if nproc != 1 else ''} ..."
+        self.began, self.workers = time.monotonic(), f"{nproc} worker{'s' if nproc != 1 else ''}"
+        self.header = f"starting {self.workers} ..."
         if self._use_widgets():
             self._show_header()
-        else:  # the line ends when they are ready (or before anything else is printed)
+        elif threading.current_thread() is threading.main_thread():
+            # The line ends when they are ready, or before anything else is printed.
             print(f"[labkit] {self.header}", end="", flush=True)
             self.pending = True
+        else:  # runs started together (threads) print at once: whole lines only
+            _say(f"[labkit] {self.header}")
 
     def ready(self) -> None:
         """Say how long the workers took to start, once every one is up."""
@@ -225,7 +229,7 @@ class ProgressBars:
             print(f" ready in {seconds:.1f} s", flush=True)
             self.pending = False
         else:  # something came between: a line of its own
-            print(f"[labkit] {self.nproc} worker(s) ready in {seconds:.1f} s", flush=True)
+            _say(f"[labkit] {self.workers} ready in {seconds:.1f} s")
 
     def end_line(self) -> None:
         """End a text "starting ..." line: something else is about to be printed."""
@@ -346,6 +350,13 @@ class ProgressBars:
         self.end_line()
         prefix = "" if rank is None else f"[rank{rank}] "
         print(f"{prefix}{update.get('desc') or 'progress'}: {_status(update)}", flush=True)
+
+
+def _say(line: str) -> None:
+    """Print ``line`` in one write: print() writes its end apart, so another thread's line
+    could come between the two."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _name(rank: int | None, desc: str) -> str:

@@ -219,11 +219,30 @@ def test_a_line_printed_before_the_workers_are_up_ends_the_starting_line(capsys)
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "[labkit] starting 1 worker ..."
     assert lines[1].startswith("[rank0] progress: 1/1")
-    assert lines[2].startswith("[labkit] 1 worker(s) ready in ")
+    assert lines[2].startswith("[labkit] 1 worker ready in ")
     bars = ProgressBars(widgets=False)
     bars.starting(2)
     bars.finish()  # it failed before the workers were up: the line still ends
     assert capsys.readouterr().out == "[labkit] starting 2 workers ...\n"
+
+
+def test_runs_started_together_say_it_in_whole_lines(capsys):
+    import threading
+
+    def run():
+        bars = ProgressBars(widgets=False)
+        bars.starting(3)
+        bars.ready()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(line.split(" ready in ")[0] for line in lines) == [
+        "[labkit] 3 workers", "[labkit] 3 workers", "[labkit] starting 3 workers ...",
+        "[labkit] starting 3 workers ..."]
 
 
 def test_a_local_loop_in_the_notebook_leaves_a_summary_when_it_ends(monkeypatch, displayed):
