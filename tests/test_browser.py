@@ -242,8 +242,8 @@ def test_notebook_01_widget_and_an_exercise_in_the_browser(browser, lab):
         assert page.locator(".jp-OutputArea .jupyter-widgets").count() >= 1
         sliders = page.locator(".jp-OutputArea .widget-slider")
         assert sliders.count() >= 2, "the augmentation explorer's sliders did not render"
-        # The explorer's picture is a widget too: its PNG must have arrived and decoded.
-        assert loaded_images(page, ".jp-OutputArea .jupyter-widgets img") >= 1
+        # The explorer's picture is an ordinary output beside its sliders (so a saved notebook
+        # keeps it): with the plots, every PNG must have arrived and decoded.
         assert loaded_images(page, ".jp-OutputArea-output img") >= 3, "plots are missing"
         assert screenshot(page, sliders.first, name).stat().st_size > 10_000
         work_the_exercise(page, nb, name)
