@@ -505,7 +505,7 @@ def _timed_out(run: Run, nproc: int, timeout: float, logs: dict, started: bool =
         parts.append(f"\n--- rank {rank} stack (most recent call first) ---\n{stack}")
     if not returned:
         parts.append("\nA rank waiting in a collective that another rank skipped is the usual "
-                     "cause; run with TORCH_DISTRIBUTED_DEBUG=DETAIL to name the mismatch.")
+                     "cause;\nrun with TORCH_DISTRIBUTED_DEBUG=DETAIL to name the mismatch.")
     return LaunchTimeout("\n".join(parts), stuck=stuck, stacks=stacks, logs=logs)
 
 

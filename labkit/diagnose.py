@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 
+from ._display import hang
 from ._dist import collective_device
 from ._sizes import whole
 
@@ -559,8 +560,8 @@ class ShmRun:
         where = f"/dev/shm of {self.shm_mb} MB" if self.shm_mb else "this machine's /dev/shm"
         how = f"num_workers={self.num_workers}" + (
             f", sharing strategy {self.sharing_strategy}" if self.sharing_strategy else "")
-        verdict = "finished" if self.ok else f"FAILED: {self.error}"
-        return f"DataLoader ({how}, {self.batch_mb:g} MB batches) on {where}: {verdict}"
+        said = f"DataLoader ({how}, {self.batch_mb:g} MB batches) on {where}: "
+        return said + "finished" if self.ok else said + "FAILED:\n" + hang("  ", str(self.error))
 
 
 # Each way of getting a private /dev/shm, tried in order: a mount namespace (root with

@@ -484,7 +484,7 @@ def kernel_pool(nproc: int, backend: str, framework: str, env: dict) -> Workers:
                    if not p._lock.locked()]
     for old_pool in old:
         print(f"[labkit] stopping the least recently used warm workers ({old_pool.nproc} x "
-              f"{old_pool.backend}): a kernel keeps at most {MAX_IDLE_POOLS} sets "
+              f"{old_pool.backend}):\n  a kernel keeps at most {MAX_IDLE_POOLS} sets "
               "(each idle rank holds torch in memory)", flush=True)
         old_pool.stop()
     return pool

@@ -8,10 +8,11 @@ mid-word, or scrolls for it.
 What counts is the text the learner reads as text: stream output (stdout, stderr) and the
 ``text/plain`` of a result or display that has nothing richer to show. An HTML table, an image
 or a verdict's badge is shown instead of its ``text/plain``, so that does not count, and
-neither does a traceback (Python's to format), nor a library's log record or warning on stderr
+neither does a traceback (Python's to format), nor a library's log record or warning
 (torch's ``W1202 15:37:15 ...`` lines, ``.../site-packages/x.py:3: UserWarning: ...``): their
-text is theirs. A warning raised at a line of labkit counts: labkit can fix it. A progress
-line rewritten with ``\\r`` counts as the text left on screen. ANSI colour codes take no room.
+text is theirs, as are the frames of a printed traceback or stack (``File "...", line 7``). A
+warning raised at a line of labkit counts: labkit can fix it. A progress line rewritten with
+``\\r`` counts as the text left on screen. ANSI colour codes take no room.
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ MAX = 100
 _RICHER = ("text/html", "text/markdown", "text/latex", "image/png", "image/jpeg", "image/svg+xml",
            "application/javascript")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_LOG_RECORD = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d")  # glog's format, which torch logs in
+# glog's format, which torch logs in, as a rank's output shows it too ("[rank0]:[E1202 ...")
+_LOG_RECORD = re.compile(r"(\[rank\d+\]:)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
+# A traceback's or a stack dump's frame, printed (a rank's failure, a hang's stacks): the path
+# is the installation's
+_FRAME = re.compile(r'\s*File "[^"]+", line \d+')
 _WARNING = re.compile(r"(?P<file>\S+\.py):\d+: \w*Warning: ")
 
 
 def _theirs(line: str) -> bool:
     """A library's log record or warning (not one raised at a line of labkit)."""
-    if _LOG_RECORD.match(line):
+    if _LOG_RECORD.match(line) or _FRAME.match(line):
         return True
     m = _WARNING.match(line)
     return bool(m) and "/labkit/" not in m["file"].replace("\\", "/")
@@ -55,7 +60,7 @@ def shown_lines(outputs) -> list[str]:
             text = "".join(text)
         for line in _ANSI.sub("", text).split("\n"):
             line = line.rsplit("\r", 1)[-1] if "\r" in line.rstrip("\r") else line.rstrip("\r")
-            if not (kind == "stream" and out.get("name") == "stderr" and _theirs(line)):
+            if not (kind == "stream" and _theirs(line)):
                 lines.append(line)
     return lines
 
