@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import textwrap
 
 __all__ = ["figure_for", "figure_pair", "size_label", "check_rows", "rows_by", "integer_ticks",
@@ -81,7 +82,7 @@ def legend_outside(ax, where: str = "right", handles=None, labels=None, wrap: in
     if not handles:
         return None
     if wrap:
-        labels = [textwrap.fill(label, wrap) for label in labels]
+        labels = [_wrap(label, wrap) for label in labels]
     if where == "right":
         kwargs = {"loc": "upper left", "bbox_to_anchor": (1.02, 1.0), "borderaxespad": 0.0,
                   **kwargs}
@@ -98,6 +99,14 @@ def legend_outside(ax, where: str = "right", handles=None, labels=None, wrap: in
     else:
         raise ValueError(f"where must be 'right' or 'below', got {where!r}")
     return ax.legend(handles, labels, **kwargs)
+
+
+def _wrap(label: str, width: int) -> str:
+    """``label`` on lines of ``width`` characters, a short bracketed part, e.g. a formula's
+    ``(m + p - 1)``, kept on one line."""
+    glued = re.sub(r"\([^()]{1,12}\)", lambda m: m.group(0).replace(" ", "\0"), label)
+    return textwrap.fill(glued, width, break_long_words=False,
+                         break_on_hyphens=False).replace("\0", " ")
 
 
 def fit_labels(labelled, margin: float = 0.9) -> None:

@@ -180,7 +180,7 @@ def mesh_plot(values: list[dict], title: str | None = None, ax=None):
                        Patch(color=colours[outer], alpha=0.55,
                              label=f"{outer} group (a column), e.g. ranks {groups[outer]}")],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=1)
-    ax.set_title(title or f"{rows} x {cols} mesh ({outer} x {inner})", pad=20)
+    ax.set_title(title or f"{rows} x {cols} mesh ({outer} x {inner})", pad=30)  # over the ticks
     fig.tight_layout()
     return fig
 
