@@ -15,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+from ._display import wrap
 from ._protocol import ERRORS, PIDS, error_file, exit_file, rank_of, result_file, stack_file
 
 # torchrun's own chatter that says nothing a learner needs (labkit sets these variables itself).
@@ -83,9 +84,9 @@ def report_restarts(run_dir: Path, errors: list[dict]) -> None:
     if restarts > 0 or errors:
         said = "; ".join(f"rank {e['rank']} raised {e['type']}: {e['message'][:200]}"
                          for e in errors) or "no rank raised a Python exception"
-        print(f"[labkit] torchrun restarted the workers {restarts} time(s), then the run "
-              f"finished. Before that: {said}. (A rank that was killed leaves no exception; "
-              f"its peers then report a lost connection.)")
+        print(wrap(f"[labkit] torchrun restarted the workers {restarts} time(s), then the run "
+                   f"finished. Before that: {said}. (A rank that was killed leaves no "
+                   f"exception; its peers then report a lost connection.)"))
 
 
 def read_errors(run_dir: Path) -> list[dict]:

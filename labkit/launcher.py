@@ -18,6 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ._display import wrap
 from ._engine import (
     GRACE,
     STARTUP_S,
@@ -168,15 +169,16 @@ def launch(
 def _print_other_nodes(fn, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str) -> None:
     """Tell the learner what every other node must run to join this rendezvous."""
     others = [r for r in range(nnodes) if r != node_rank]
-    lines = [f"[labkit] node {node_rank} of {nnodes} joins the rendezvous at {rdzv_endpoint}. "
-             f"On node(s) {', '.join(map(str, others))} run the same call with "
-             "node_rank=<that node>, or:"]
+    lines = [wrap(f"[labkit] node {node_rank} of {nnodes} joins the rendezvous at "
+                  f"{rdzv_endpoint}. On node(s) {', '.join(map(str, others))} run the same call "
+                  "with node_rank=<that node>, or:")]
     target = str(fn) if isinstance(fn, str | os.PathLike) else "your_script.py"
     for r in others:
+        # Two lines joined by the shell's backslash: a command that fits the output area.
         lines.append("  " + shlex.join(["torchrun", "--nnodes", str(nnodes), "--node-rank", str(r),
-                                        "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-                                        "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", "labkit",
-                                        target]))
+                                        "--nproc-per-node", str(nproc)]) + " \\\n      "
+                     + shlex.join(["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                                   "--rdzv-id", "labkit", target]))
     # One write: agents of several nodes started from one process (launch_together) would
     # otherwise interleave their lines.
     sys.stdout.write("\n".join(lines) + "\n")
