@@ -14,7 +14,10 @@ this package (``labkit.plots.scaling_plot``), which is how the notebooks call th
 - ``sequence`` (09): sequence parallelism, ring attention, experts over ranks;
 - ``composition`` (10): ZeRO by hand, 2-D meshes, the planner.
 
-The interactive explorers (sliders over these figures) are in :mod:`labkit.explorers`.
+Every figure is drawn in the course's style (``_common.course_style``: text no smaller than the
+notebook's, no wider than its column, legends beside or below the data), which applies only
+while a figure is made: the learner's own matplotlib settings stay as they were. The
+interactive explorers (sliders over these figures) are in :mod:`labkit.explorers`.
 matplotlib is imported inside each function, so ``import labkit`` stays light; headless (CI,
 a worker, a shell) matplotlib falls back to the Agg backend by itself.
 """

@@ -30,7 +30,8 @@ def _events_of_step(events: list[dict], step: int, source: str) -> list[dict]:
 def pipeline_timeline(events: list[dict], title: str | None = None, step: int = 0, ax=None):
     """Gantt chart of one pipeline step: one row per rank, F and B blocks, idle as gaps.
 
-    Each block carries its micro-batch number; the white space between blocks is the bubble
+    Each block carries its micro-batch number (upright in a narrow block, none in a block too
+    small for it); the white space between blocks is the bubble
     (and, on real hardware, waiting for messages). Events of several steps (``run_pipeline``
     with ``steps > 1``) are filtered to ``step``. Draws on ``ax`` when given; returns the
     Figure.
@@ -129,7 +130,8 @@ def schedule_timeline_plot(events: list[dict], title: str | None = None, step: i
     Draws the events of ``schedules.simulate_chunked`` / ``schedule_timeline`` / ``pipelined_step``
     (``rank, kind, chunk, micro, start, end``, optional ``step``): F blue, B orange (the full
     backward, or its input half), W green (the weight half); a rank's later chunks in paler
-    shades; each block labelled ``chunk.micro`` when there are several chunks, else ``micro``.
+    shades; each block labelled ``chunk.micro`` when there are several chunks, else ``micro``
+    (upright in a narrow block, none in a block too small for it).
     White space is the bubble. Measured events of several steps are filtered to ``step``.
     Draws on ``ax`` when given; returns the Figure.
 
