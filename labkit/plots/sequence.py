@@ -283,10 +283,11 @@ def expert_traffic_matrix(results: list[dict], ax=None):
             ax.text(j, i, str(count), ha="center", va="center",
                     color="white" if count > top / 2 else "black",
                     fontweight="bold" if i == j else "normal")
-    ax.set_xticks(range(n), [f"rank {j}" for j in range(n)])
-    ax.set_yticks(range(n), [f"rank {i}" for i in range(n)])
-    ax.set_xlabel("receiver (holds the experts)")
-    ax.set_ylabel("sender (routed the tokens)")
+    # bare numbers: "rank 0 rank 1 ..." side by side runs together in a narrow panel
+    ax.set_xticks(range(n), [str(j) for j in range(n)])
+    ax.set_yticks(range(n), [str(i) for i in range(n)])
+    ax.set_xlabel("receiving rank (holds the experts)")
+    ax.set_ylabel("sending rank (routed the tokens)")
     ax.set_title("rows sent by each rank to each rank\n(diagonal: stays on the rank)")
     fig.colorbar(image, ax=ax, label="rows")
     fig.tight_layout()
@@ -348,7 +349,6 @@ def expert_placement_plot(tokens_per_expert: list[int], world: int, capacity=Non
         >>> r = labkit.launch(moe_check, 32, 16, 32, 4, capacity_factor=1.0, nproc=2).values[0]
         >>> fig = expert_placement_plot(r["reference"]["tokens_per_expert"], 2, r["capacity"])
     """
-    from matplotlib import pyplot as plt
 
     n_experts = len(tokens_per_expert)
     if not n_experts or world < 1 or n_experts % world:
@@ -356,10 +356,9 @@ def expert_placement_plot(tokens_per_expert: list[int], world: int, capacity=Non
                          f"per expert and the number of ranks that hold them")
     per_rank = n_experts // world
     fig, ax = figure_for(ax, (min(max(6, 0.5 * n_experts + 3), MAX_WIDTH_IN), 4.5))
-    colors = plt.get_cmap("tab10")
     for rank in range(world):
         experts = list(range(rank * per_rank, (rank + 1) * per_rank))
-        ax.bar(experts, [tokens_per_expert[e] for e in experts], color=colors(rank % 10),
+        ax.bar(experts, [tokens_per_expert[e] for e in experts], color=f"C{rank}",
                label=f"rank {rank}: experts {experts[0]}..{experts[-1]}")
     if capacity is not None:
         ax.axhline(capacity, color="k", ls="--", label=f"capacity ({capacity} rows)")
