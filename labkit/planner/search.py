@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .._display import hang, wrap
 from .communication import comm_bytes, cp_hop_seconds, group_links, step_seconds
 from .describe import (
     DIMENSIONS,
@@ -66,16 +67,17 @@ class Plan:
                          for k in DIMENSIONS if self.comm[k]) or "nothing"
         verdict = "fits" if self.fits else "does not fit"
         where = f" (stage {self.stage}, the fullest)" if self.degrees.stage_layers else ""
-        lines = [f"{self.model.name} on {self.cluster}: {self.degrees}, {self.degrees.m} "
-                 f"micro-batch(es) of {self.model.micro_batch}",
-                 f"  memory per device{where} (GiB): {mem}; total "
-                 f"{self.memory['total'] / GiB:.2f} of {self.budget / GiB:.1f} usable: {verdict}",
-                 f"  sent per device per step: {sent}",
-                 f"  seconds per step (rough): compute {self.seconds['compute']:.3g}, bubble "
-                 f"{self.seconds['bubble']:.3g}, communication {self.seconds['comm']:.3g} "
-                 f"exposed of {self.seconds['transfer']:.3g}"]
-        lines += [f"  why: {self.why}"] if self.why else []
-        lines += [f"  note: {w}" for w in self.warnings]
+        lines = [wrap(f"{self.model.name} on {self.cluster}: {self.degrees}, {self.degrees.m} "
+                      f"micro-batch(es) of {self.model.micro_batch}"),
+                 hang(f"  memory per device{where} (GiB): ", f"{mem}; total "
+                      f"{self.memory['total'] / GiB:.2f} of {self.budget / GiB:.1f} usable: "
+                      f"{verdict}"),
+                 hang("  sent per device per step: ", sent),
+                 hang("  seconds per step (rough): ", f"compute {self.seconds['compute']:.3g}, "
+                      f"bubble {self.seconds['bubble']:.3g}, communication "
+                      f"{self.seconds['comm']:.3g} exposed of {self.seconds['transfer']:.3g}")]
+        lines += [hang("  why: ", self.why)] if self.why else []
+        lines += [hang("  note: ", w) for w in self.warnings]
         return "\n".join(lines)
 
 
