@@ -26,8 +26,9 @@ MAX = 100
 _RICHER = ("text/html", "text/markdown", "text/latex", "image/png", "image/jpeg", "image/svg+xml",
            "application/javascript")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-# glog's format, which torch logs in, as a rank's output shows it too ("[rank0]:[E1202 ...")
-_LOG_RECORD = re.compile(r"(\[rank\d+\]:)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
+# glog's format, which torch and TensorFlow log in, as a rank's output shows it too
+# ("[rank0]:[E1202 15:42:14 ...", "[rank0] I0000 00:00:1796227092 ...")
+_LOG_RECORD = re.compile(r"(\[rank\d+\]:? ?)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
 # A traceback's or a stack dump's frame, printed (a rank's failure, a hang's stacks): the path
 # is the installation's
 _FRAME = re.compile(r'\s*File "[^"]+", line \d+')

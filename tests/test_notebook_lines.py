@@ -28,6 +28,7 @@ def test_only_the_text_a_learner_reads_counts():
                  "/venv/site-packages/torch/x.py:7: UserWarning: " + long + "\n"},
         {"output_type": "stream", "name": "stdout",  # a rank's log record, a hang's stack
          "text": "[rank0]:[E1202 15:42:14.408536869 ProcessGroupGloo.cpp:2948] " + long + "\n"
+                 "[rank1] I0000 00:00:1796227092.064737   18326 port.cc:153] " + long + "\n"
                  '  File "/venv/site-packages/torch/' + long + '.py", line 3913 in x\n'},
         {"output_type": "stream", "name": "stderr",  # raised at labkit's line: labkit can fix it
          "text": "/work/labkit/plots/a.py:77: UserWarning: " + "v" * 80 + "\n"},
