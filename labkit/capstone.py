@@ -70,11 +70,11 @@ class CapstoneTask:
 
         return augment.augmentation(self.image_size, kind="none")
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # one field group per line: it fits a notebook's output area
         return (f"CapstoneTask(train={len(self.train)} images, val={len(self.val)} images, "
-                f"{self.image_size}px, epochs={self.epochs}, base_lr={self.base_lr}, "
-                f"base_batch={self.base_batch}, warmup_epochs={self.warmup_epochs}, "
-                f"checkpoint={self.checkpoint!r})")
+                f"{self.image_size}px,\n             epochs={self.epochs}, base_lr={self.base_lr}, "
+                f"base_batch={self.base_batch}, warmup_epochs={self.warmup_epochs},\n"
+                f"             checkpoint={self.checkpoint!r})")
 
 
 def _capstone_splits(image_size: int, train_per_class: int | None):
@@ -387,11 +387,13 @@ class Assessment(Verdict):
         return f"Assessment(passed={self.passed}, failed={self.failed})"
 
     def __str__(self) -> str:
+        from ._display import wrap
+
         lines = [str(c) for c in self.criteria]
-        if not self.passed:
-            return (f"[not yet] capstone: {len(self.failed)} of {len(self.criteria)} criteria "
-                    f"not met ({', '.join(self.failed)})\n" + "\n".join(lines))
-        return _certificate(self)
+        if not self.passed:  # wrapped at spaces: the report is read in a notebook's output area
+            return wrap(f"[not yet] capstone: {len(self.failed)} of {len(self.criteria)} "
+                        f"criteria not met ({', '.join(self.failed)})\n" + "\n".join(lines))
+        return wrap(_certificate(self))
 
 
 def _certificate(a: Assessment) -> str:

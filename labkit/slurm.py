@@ -184,8 +184,9 @@ def _render(options, script: Path, args, nproc: int, cpus_per_task, port, python
         'nodes=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )',
         "head_node=${nodes[0]}",
         port_line,
-        f'echo "[labkit] job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x {nproc} worker(s), '
-        'rendezvous at $head_node:$rdzv_port"',
+        # two words for echo, joined by a space: the same line out, a script line that fits
+        f'echo "[labkit] job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s) x {nproc} worker(s),"'
+        ' \\\n    "rendezvous at $head_node:$rdzv_port"',
         "",
         f"# One task per node: each is a torchrun agent that starts {nproc} worker(s).",
         command,

@@ -74,7 +74,8 @@ def augmentation_grid(image, transform, n: int = 16, seed: int = 0):
 
     arr = check_image(image)
     n = whole(n, "n", hint=" (how many augmented copies)")
-    tensor = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
+    # a copy: the image may be read-only (a PIL view), which torch.from_numpy warns about
+    tensor = torch.from_numpy(np.array(arr, copy=True)).permute(2, 0, 1)
     step = _normalize_step(transform)
     with torch.random.fork_rng(devices=[]):  # the learner's own random stream stays untouched
         torch.manual_seed(seed)
