@@ -566,6 +566,8 @@ def test_the_ranks_die_with_a_sigkilled_kernel_and_the_run_folder_goes(tmp_path)
                             cwd=tmp_path, env=dict(os.environ, TMPDIR=str(private)))
     try:
         line = proc.stdout.readline()
+        while line and not line.startswith("PIDS"):  # the launch's own lines come first
+            line = proc.stdout.readline()
         assert line.startswith("PIDS"), line
         pids = [int(p) for p in line.split()[1:]]
         assert len(pids) == 3 and all(alive(p) for p in pids), "torchrun and 2 warm ranks"
