@@ -89,3 +89,32 @@ def no_warm_pools():
 
     launcher.stop_workers()
     yield
+
+
+class DisplayHandle:
+    """What IPython.display.display returns with display_id=True: it records the updates."""
+
+    def __init__(self, data):
+        self.data, self.updates = data, []
+
+    def update(self, data, raw=False):
+        assert raw
+        self.data = data
+        self.updates.append(data)
+
+
+@pytest.fixture
+def displayed(monkeypatch):
+    """Every display() call, as (data, handle); the handles follow their updates."""
+    import IPython.display
+
+    shown = []
+
+    def display(data, raw=False, display_id=None):
+        assert raw and isinstance(data, dict)
+        handle = DisplayHandle(data) if display_id else None
+        shown.append((data, handle))
+        return handle
+
+    monkeypatch.setattr(IPython.display, "display", display)
+    return shown

@@ -103,35 +103,6 @@ def test_schedule_explorer_disables_chunks_for_one_chunk_schedules():
     assert started.controls["chunks"].value == 3
 
 
-class _Handle:
-    """What IPython.display.display returns with display_id=True: it records the updates."""
-
-    def __init__(self, data):
-        self.data, self.updates = data, []
-
-    def update(self, data, raw=False):
-        assert raw
-        self.data = data
-        self.updates.append(data)
-
-
-@pytest.fixture
-def displayed(monkeypatch):
-    """Every display() call, as (data, handle); the handles follow their updates."""
-    import IPython.display
-
-    shown = []
-
-    def display(data, raw=False, display_id=None):
-        assert raw and isinstance(data, dict)
-        handle = _Handle(data) if display_id else None
-        shown.append((data, handle))
-        return handle
-
-    monkeypatch.setattr(IPython.display, "display", display)
-    return shown
-
-
 def test_a_displayed_explorer_leaves_its_figure_and_text_as_ordinary_outputs(displayed):
     import base64
 

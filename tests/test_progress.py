@@ -134,35 +134,6 @@ def test_widget_bars_show_one_row_per_rank_with_its_values(capsys):
     assert "stopped early" in status0.value
 
 
-class _Handle:
-    """What IPython.display.display returns with display_id=True: it records the updates."""
-
-    def __init__(self, data):
-        self.data, self.updates = data, []
-
-    def update(self, data, raw=False):
-        assert raw
-        self.data = data
-        self.updates.append(data)
-
-
-@pytest.fixture
-def displayed(monkeypatch):
-    """Every display() call, as (data, handle)."""
-    import IPython.display
-
-    shown = []
-
-    def display(data, raw=False, display_id=None):
-        assert raw and isinstance(data, dict)
-        handle = _Handle(data) if display_id else None
-        shown.append((data, handle))
-        return handle
-
-    monkeypatch.setattr(IPython.display, "display", display)
-    return shown
-
-
 def test_widget_bars_end_as_a_static_summary_that_a_saved_notebook_keeps(displayed):
     pytest.importorskip("ipywidgets")
     bars = ProgressBars(widgets=True)
