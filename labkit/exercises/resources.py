@@ -669,13 +669,18 @@ def resharded_checkpoint(save_fn, load_fn) -> str:
         >>> exercise.resharded_checkpoint(my_save, my_load)
         [pass] challenge: a sharded checkpoint, loaded on another number of ranks: ...
     """
+    import contextlib
     import tempfile
 
     import torch
 
-    for saved_on, loaded_on, numel, dtype in _RS_CASES:
-        where = f"saved on {saved_on} ranks, loaded on {loaded_on} ({numel} {dtype} numbers)"
-        with tempfile.TemporaryDirectory(prefix="labkit-reshard-") as folder:
+    first = None
+    with contextlib.ExitStack() as folders:
+        for saved_on, loaded_on, numel, dtype in _RS_CASES:
+            where = f"saved on {saved_on} ranks, loaded on {loaded_on} ({numel} {dtype} numbers)"
+            # kept until the end: the crash phase saves step 11 into the first case's folder
+            folder = folders.enter_context(tempfile.TemporaryDirectory(prefix="labkit-reshard-"))
+            first = first or folder
             saves = on_ranks(_rs_save_worker, save_fn, folder, numel, dtype, nproc=saved_on,
                              timeout=_RS_TIMEOUT)
             for rank, per_step in enumerate(saves):
@@ -688,49 +693,49 @@ def resharded_checkpoint(save_fn, load_fn) -> str:
                                  "one rank); " + _RS_PLAN)
             loads = on_ranks(_rs_load_worker, load_fn, folder, numel, nproc=loaded_on,
                              timeout=_RS_TIMEOUT)
-        new, old = _rs_ranges(numel, loaded_on), _rs_ranges(numel, saved_on)
-        flat = _rs_flat(numel, dtype, _RS_STEPS[-1])
-        for rank, got in enumerate(loads):
-            at = f"{where}, rank {rank}"
-            if got["shard"] is None:
-                raise NotYet(f"{at}: load returned {got['returned']}, not (shard, step)",
-                             "return (this rank's slice of the flat tensor, the step saved)")
-            lo, hi = new[rank]
-            want = flat[lo:hi]
-            if got["step"] != _RS_STEPS[-1]:
-                hint = ("the newest checkpoint is the largest step as a number: step 10 is "
-                        "newer than step 9, though '10' sorts before '9' as text")
-                raise NotYet(f"{at}: loaded step {got['step']}, the newest is {_RS_STEPS[-1]}",
-                             hint)
-            shard = got["shard"]
-            if str(shard.dtype) != f"torch.{dtype}":
-                raise NotYet(f"{at}: the slice is {shard.dtype}, it was saved as {dtype}",
-                             "keep the saved tensors' dtype: torch.cat of the loaded pieces "
-                             "does, torch.empty(n) is float32")
-            if tuple(shard.shape) != tuple(want.shape) or not torch.equal(shard, want):
-                own = _rs_flat(numel, dtype, _RS_STEPS[-1]).tensor_split(saved_on)
-                kept = rank < saved_on and shard.shape == own[rank].shape and torch.equal(
-                    shard, own[rank])
-                raise NotYet(f"{at}: loaded {shard.tolist()}, want elements {lo} to {hi - 1}: "
-                             f"{want.tolist()}",
-                             ("that is rank r's old slice, as if the number of ranks had not "
-                              "changed: cut the new ranges with tensor_split(new world) and "
-                              "assemble each from the old slices; " if kept else "")
-                             + _RS_PLAN)
-            big = [(op, b) for op, b in got["calls"] if b > _RS_SMALL]
-            if big:
-                raise NotYet(f"{at}: loading, it sent {big[0][0]} of {big[0][1]} bytes",
-                             "each rank reads what it needs from the files itself; no data "
-                             "needs to travel between ranks. " + _RS_PLAN)
-            overlap = sum(1 for a, b in old if b > a and a < hi and lo < b)
-            if len(got["reads"]) > overlap + 1:
-                raise NotYet(f"{at}: read {len(got['reads'])} files; only {overlap} old "
-                             f"slice(s) overlap its range [{lo}, {hi})",
-                             "read only the files whose slices overlap your range (plus at "
-                             "most one small file of metadata): a rank that reads every "
-                             "slice holds the whole model for a moment, which is what "
-                             "sharding avoids; " + _RS_PLAN)
-    _rs_judge_crash(save_fn, load_fn)
+            new, old = _rs_ranges(numel, loaded_on), _rs_ranges(numel, saved_on)
+            flat = _rs_flat(numel, dtype, _RS_STEPS[-1])
+            for rank, got in enumerate(loads):
+                at = f"{where}, rank {rank}"
+                if got["shard"] is None:
+                    raise NotYet(f"{at}: load returned {got['returned']}, not (shard, step)",
+                                 "return (this rank's slice of the flat tensor, the step saved)")
+                lo, hi = new[rank]
+                want = flat[lo:hi]
+                if got["step"] != _RS_STEPS[-1]:
+                    hint = ("the newest checkpoint is the largest step as a number: step 10 is "
+                            "newer than step 9, though '10' sorts before '9' as text")
+                    raise NotYet(f"{at}: loaded step {got['step']}, the newest is {_RS_STEPS[-1]}",
+                                 hint)
+                shard = got["shard"]
+                if str(shard.dtype) != f"torch.{dtype}":
+                    raise NotYet(f"{at}: the slice is {shard.dtype}, it was saved as {dtype}",
+                                 "keep the saved tensors' dtype: torch.cat of the loaded pieces "
+                                 "does, torch.empty(n) is float32")
+                if tuple(shard.shape) != tuple(want.shape) or not torch.equal(shard, want):
+                    own = _rs_flat(numel, dtype, _RS_STEPS[-1]).tensor_split(saved_on)
+                    kept = rank < saved_on and shard.shape == own[rank].shape and torch.equal(
+                        shard, own[rank])
+                    raise NotYet(f"{at}: loaded {shard.tolist()}, want elements {lo} to {hi - 1}: "
+                                 f"{want.tolist()}",
+                                 ("that is rank r's old slice, as if the number of ranks had not "
+                                  "changed: cut the new ranges with tensor_split(new world) and "
+                                  "assemble each from the old slices; " if kept else "")
+                                 + _RS_PLAN)
+                big = [(op, b) for op, b in got["calls"] if b > _RS_SMALL]
+                if big:
+                    raise NotYet(f"{at}: loading, it sent {big[0][0]} of {big[0][1]} bytes",
+                                 "each rank reads what it needs from the files itself; no data "
+                                 "needs to travel between ranks. " + _RS_PLAN)
+                overlap = sum(1 for a, b in old if b > a and a < hi and lo < b)
+                if len(got["reads"]) > overlap + 1:
+                    raise NotYet(f"{at}: read {len(got['reads'])} files; only {overlap} old "
+                                 f"slice(s) overlap its range [{lo}, {hi})",
+                                 "read only the files whose slices overlap your range (plus at "
+                                 "most one small file of metadata): a rank that reads every "
+                                 "slice holds the whole model for a moment, which is what "
+                                 "sharding avoids; " + _RS_PLAN)
+        _rs_judge_crash(save_fn, load_fn, first)
     return ("saved on 4 and loaded on 2, saved on 2 and loaded on 4 (uneven slices, an empty "
             "one, float64 and float32): every rank got its new slice of the newest step, no "
             "data over the wire, only the overlapping files read; a save cut short on one "
@@ -743,35 +748,31 @@ _RS_CRASH_HINT = ("a checkpoint is complete only once every rank's file is whole
                   "not know (the leftover temporary files)")
 
 
-def _rs_judge_crash(save_fn, load_fn) -> None:
-    """Save steps 9 and 10 on 4 ranks, then step 11 with the last rank dying mid-write; the
-    load on 2 ranks must find step 10, the newest checkpoint that every rank finished."""
-    import tempfile
-
+def _rs_judge_crash(save_fn, load_fn, folder: str) -> None:
+    """In ``folder``, where the first case saved steps 9 and 10 on 4 ranks, save step 11 with
+    the last rank dying mid-write; the load on 2 ranks must find step 10, the newest
+    checkpoint that every rank finished."""
     import torch
 
     saved_on, loaded_on, numel, dtype = _RS_CASES[0]
     newest, cut = _RS_STEPS[-1], _RS_STEPS[-1] + 1
     where = (f"saved on {saved_on} ranks, then step {cut} cut short while rank {saved_on - 1} "
              f"wrote its file; loaded on {loaded_on}")
-    with tempfile.TemporaryDirectory(prefix="labkit-reshard-") as folder:
-        on_ranks(_rs_save_worker, save_fn, folder, numel, dtype, nproc=saved_on,
-                 timeout=_RS_TIMEOUT)
-        try:
-            died = on_ranks(_rs_crash_worker, save_fn, folder, numel, dtype, cut,
-                            nproc=saved_on, timeout=10.0)  # a write takes milliseconds
-        except NotYet as wrong:
-            if not wrong.stuck:
-                raise
-            died = None  # the others waited in a collective for the dead rank, as in a real job
-        if died is not None and not any(died):
-            return  # the save never called torch.save: nothing this simulation can cut short
-        try:
-            loads = on_ranks(_rs_load_worker, load_fn, folder, numel, nproc=loaded_on,
-                             timeout=_RS_TIMEOUT)
-        except NotYet as wrong:
-            raise NotYet(f"{where}: load failed ({wrong.detail.splitlines()[0]:.160})",
-                         _RS_CRASH_HINT) from None
+    try:
+        died = on_ranks(_rs_crash_worker, save_fn, folder, numel, dtype, cut,
+                        nproc=saved_on, timeout=10.0)  # a write takes milliseconds
+    except NotYet as wrong:
+        if not wrong.stuck:
+            raise
+        died = None  # the others waited in a collective for the dead rank, as in a real job
+    if died is not None and not any(died):
+        return  # the save never called torch.save: nothing this simulation can cut short
+    try:
+        loads = on_ranks(_rs_load_worker, load_fn, folder, numel, nproc=loaded_on,
+                         timeout=_RS_TIMEOUT)
+    except NotYet as wrong:
+        raise NotYet(f"{where}: load failed ({wrong.detail.splitlines()[0]:.160})",
+                     _RS_CRASH_HINT) from None
     want = _rs_flat(numel, dtype, newest)
     for rank, (got, (lo, hi)) in enumerate(zip(loads, _rs_ranges(numel, loaded_on),
                                                strict=True)):
