@@ -920,14 +920,16 @@ def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) 
     next epoch, whose gradient all-reduce waits for rank 1 forever (with DDP, the same wait
     happens inside ``backward()``). On one process the code is right, and with other data it
     would not hang. ``fixed=True`` decides on the validation loss over all ranks (one
-    all-reduce of the loss sum and the sample count), the same number on every rank. Prints
-    each epoch's loss; returns ``{"epochs": epochs trained, "val": each epoch's loss}``.
+    all-reduce of the loss sum and the sample count: odd ranks hold 48 validation samples,
+    even ranks 32, so the mean of the ranks' means would be another number), the same on every
+    rank. Prints each epoch's loss; returns ``{"epochs": epochs trained, "val": each epoch's
+    loss (over all ranks when fixed), "shard": each epoch's loss on this rank's shard}``.
 
     Example::
 
         >>> labkit.launch(diagnose.early_stopping, timeout=10)     # LaunchTimeout: rank 0
         >>> labkit.launch(diagnose.early_stopping, fixed=True).values[0]["epochs"]
-        9
+        8
     """
     import torch
     import torch.distributed as dist
@@ -937,11 +939,11 @@ def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) 
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 4, generator=gen)
     y = x.sum(1, keepdim=True)                              # the same task on every rank
-    val_x = torch.randn(32, 4, generator=gen)
+    val_x = torch.randn(32 + 16 * (rank % 2), 4, generator=gen)   # shards of 32 and 48
     val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)   # rank 1's shard differs
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)                           # the same start on every rank
-    best, worse, history = float("inf"), 0, []
+    best, worse, history, shard = float("inf"), 0, [], []
     for epoch in range(epochs):
         model.zero_grad()
         F.mse_loss(model(x), y).backward()
@@ -950,6 +952,7 @@ def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) 
                 dist.all_reduce(p.grad)                     # the gradients summed over ranks,
                 p -= 0.1 * p.grad / dist.get_world_size()   # averaged, and one step down
             val = F.mse_loss(model(val_x), val_y)           # this rank's shard only
+        shard.append(round(val.item(), 5))
         if fixed:  # the fix, shown after notebook 05's exercise on it
             val = loss_over_ranks(val, len(val_x))
         history.append(round(val.item(), 5))
@@ -959,7 +962,7 @@ def early_stopping(epochs: int = 10, *, patience: int = 1, fixed: bool = False) 
         if worse > patience:
             print(f"stopping early: no improvement for {worse} epochs", flush=True)
             break
-    return {"epochs": len(history), "val": history}
+    return {"epochs": len(history), "val": history, "shard": shard}
 
 
 def loss_over_ranks(loss, samples: int):

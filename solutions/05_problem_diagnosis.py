@@ -29,7 +29,7 @@ def my_early_stopping(epochs=10, patience=1):
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 4, generator=gen)
     y = x.sum(1, keepdim=True)
-    val_x = torch.randn(32, 4, generator=gen)
+    val_x = torch.randn(32 + 16 * (rank % 2), 4, generator=gen)
     val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)

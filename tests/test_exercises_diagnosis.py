@@ -297,7 +297,7 @@ def test_seed_everything_wrong_the_seed_argument_ignored():
 def test_early_stop_together_solution_passes_on_2_and_4_ranks():
     verdict = diagnosis.early_stop_together(solved("early_stop_together")["my_early_stopping"])
     assert verdict, verdict
-    assert "on 2 ranks every rank stopped after 9 epochs" in verdict.detail
+    assert "on 2 ranks every rank stopped after 8 epochs" in verdict.detail
     assert "on 4 ranks every rank stopped after 4 epochs" in verdict.detail
 
 
@@ -313,7 +313,7 @@ def stop_when_any_rank_wants(epochs=10, patience=1):
 def test_early_stop_together_wrong_any_rank_stops_every_rank():
     verdict = diagnosis.early_stop_together(stop_when_any_rank_wants)
     assert not verdict and "on 2 ranks: every rank stopped after 5 epochs" in verdict.detail
-    assert "best at epoch 7, so with patience=1 the job stops after 9" in verdict.detail
+    assert "best at epoch 6, so with patience=1 the job stops after 8" in verdict.detail
     assert "a stop flag all-reduced with MAX" in verdict.hint
 
 
@@ -350,8 +350,8 @@ def stops_too_early(epochs=10, patience=1):
 
 def test_early_stop_together_wrong_stops_before_the_loss_over_all_ranks_does():
     verdict = diagnosis.early_stop_together(stops_too_early)
-    assert not verdict and "every rank stopped after 8 epochs" in verdict.detail
-    assert "best at epoch 7" in verdict.detail and "is patience still used" in verdict.hint
+    assert not verdict and "every rank stopped after 7 epochs" in verdict.detail
+    assert "best at epoch 6" in verdict.detail and "is patience still used" in verdict.hint
 
 
 def job(epochs=10, patience=1, *, loss=None, stop=None, join=False):
@@ -364,7 +364,7 @@ def job(epochs=10, patience=1, *, loss=None, stop=None, join=False):
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(64, 4, generator=gen)
     y = x.sum(1, keepdim=True)
-    val_x = torch.randn(32, 4, generator=gen)
+    val_x = torch.randn(32 + 16 * (rank % 2), 4, generator=gen)
     val_y = val_x.sum(1, keepdim=True) * (1 - 0.5 * rank)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -419,16 +419,41 @@ def two_scalars(val, n):
 
 
 def gathers_every_loss(val, n):
-    """Right values (the shards are the same size), but every rank's loss on every rank."""
-    losses = [torch.empty(()) for _ in range(dist.get_world_size())]
-    dist.all_gather(losses, val)
-    return torch.stack(losses).mean()
+    """Right values, but every rank's loss sum and count gathered on every rank."""
+    pairs = [torch.empty(2) for _ in range(dist.get_world_size())]
+    dist.all_gather(pairs, torch.stack([val * n, torch.tensor(float(n))]))
+    total = torch.stack(pairs).sum(0)
+    return total[0] / total[1]
+
+
+def mean_of_means(val, n):
+    """One all-reduce, the route is right, but the ranks' own means averaged: the shards differ
+    in size (32 and 48 samples), so the loss is not the one over every sample."""
+    val = val.clone()
+    dist.all_reduce(val)
+    return val / dist.get_world_size()
 
 
 def twice(val, n):
     """The right all-reduce, made twice: once for the history, once more for the decision."""
     sum_and_count(val, n)
     return sum_and_count(val, n)
+
+
+def test_early_stop_together_wrong_mean_of_the_ranks_means():
+    verdict = diagnosis.early_stop_together(functools.partial(job, loss=mean_of_means))
+    assert not verdict and ("on 2 ranks: the validation losses are the mean of the ranks' own "
+                            "means") in verdict.detail
+    assert "stopped after 9 epochs (labkit's job: 8)" in verdict.detail
+    assert "the shards hold 32, 48 samples" in verdict.hint
+
+
+def test_early_stop_together_wrong_mean_of_the_ranks_means_on_4_ranks():
+    """On 4 ranks the epoch comes out right; only the losses tell."""
+    verdict = diagnosis.early_stop_together(functools.partial(job, loss=mean_of_means),
+                                            worlds=(4,))
+    assert not verdict and "stopped after 4 epochs (labkit's job: 4)" in verdict.detail
+    assert "the shards hold 32, 48, 32, 48 samples" in verdict.hint
 
 
 def test_early_stop_together_written_with_two_scalar_all_reduces_passes():
@@ -465,7 +490,7 @@ def test_early_stop_together_wrong_route_all_gather_of_every_loss():
     verdict = diagnosis.early_stop_together(functools.partial(job, loss=gathers_every_loss),
                                             worlds=(4,))
     assert not verdict and ("on 4 ranks: right epochs and losses, but rank 0 gathered every "
-                            "rank's values (4 gathers, 64 bytes)") in verdict.detail
+                            "rank's values (4 gathers, 128 bytes)") in verdict.detail
     assert "a gather of every rank's losses" in verdict.hint and "one all_reduce" in verdict.hint
 
 

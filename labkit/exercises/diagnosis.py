@@ -247,6 +247,13 @@ def _early_stop_worker(fn) -> dict:
 
     with traffic.count_traffic() as ours:
         labkit = early_stopping(**EARLY_STOP, fixed=True)
+    # The usual wrong average, to name it: the mean of the ranks' own means, which weighs a
+    # shard of 32 samples like one of 48 (odd ranks hold 48). Taken before the learner's run,
+    # where every rank still makes the same calls: after it, a rank that left the learner's
+    # loop early would meet this all-reduce with another rank's gradient one, and gloo aborts.
+    means = torch.tensor(labkit["shard"], dtype=torch.float64)
+    torch.distributed.all_reduce(means)
+    labkit["mean_of_means"] = (means / torch.distributed.get_world_size()).tolist()
     with traffic.count_traffic() as theirs:
         yours = fn(**EARLY_STOP)
     grad = sum(p.numel() * p.element_size() for p in torch.nn.Linear(4, 1).parameters())
@@ -294,6 +301,12 @@ def _early_stop_on_ranks(fn, world: int, timeout: float) -> list:
                      "one shard's", stuck=stuck) from None
 
 
+def _close(got: list, want: list) -> bool:
+    """Two lists of validation losses equal to float32 rounding (the job rounds to 5 places)."""
+    return len(got) == len(want) and all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5)
+                                         for a, b in zip(got, want, strict=True))
+
+
 def _judge_early_stop(ranks: list, world: int) -> str:
     """Raise NotYet unless every rank stopped at labkit's epoch, with its losses, by its route."""
     where = f"on {world} ranks"
@@ -303,6 +316,17 @@ def _judge_early_stop(ranks: list, world: int) -> str:
                      "return the dict the job returns: {'epochs': ..., 'val': [...]}")
     epochs, best = yours[0]["epochs"], ref["val"].index(min(ref["val"])) + 1
     own_shards = any(y["val"] != yours[0]["val"] for y in yours)
+    means = ref["mean_of_means"]
+    common = min(len(yours[0]["val"]), len(means))
+    if (not own_shards and common and not _close(yours[0]["val"][:common], ref["val"][:common])
+            and _close(yours[0]["val"][:common], means[:common])):
+        sizes = ", ".join(str(32 + 16 * (r % 2)) for r in range(world))
+        raise NotYet(f"{where}: the validation losses are the mean of the ranks' own means "
+                     f"({yours[0]['val'][:3]} vs labkit's {ref['val'][:3]}, ...), and every rank "
+                     f"stopped after {yours[0]['epochs']} epochs (labkit's job: {ref['epochs']})",
+                     f"the shards hold {sizes} samples: a mean of means weighs each shard "
+                     f"alike. All-reduce each rank's sum of squared errors and its sample count, "
+                     f"then divide")
     if len({y["epochs"] for y in yours}) > 1:
         raise NotYet(f"{where}: " + ", ".join(
             f"rank {r} trained {y['epochs']}" + (" epochs" if r == 0 else "")
@@ -333,8 +357,7 @@ def _judge_early_stop(ranks: list, world: int) -> str:
         raise NotYet(f"{where}: {epochs} epochs but {len(yours[0]['val'])} validation losses",
                      "append one validation loss per epoch trained, as the job does")
     ratio = yours[0]["val"][0] / ref["val"][0]
-    if not all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5)
-               for a, b in zip(yours[0]["val"], ref["val"], strict=True)):
+    if not _close(yours[0]["val"], ref["val"]):
         hint = ("all_reduce sums: divide the sum by the number of samples (or of ranks)"
                 if math.isclose(ratio, world, rel_tol=1e-3) else
                 "the loss over all ranks is the sum of the squared errors over every shard "
