@@ -228,7 +228,7 @@ def _rank_env(**change):
 
 def test_slurm_rank_env_the_solution_passes_and_its_ranks_meet(solved):
     verdict = exercise.slurm_rank_env(solved["my_rank_env"])
-    assert verdict and "2 ranks met at localhost" in verdict.detail
+    assert verdict and "2 ranks, then 4, met at localhost" in verdict.detail
 
 
 def test_slurm_rank_env_wrong_rank_from_localid():
@@ -316,7 +316,7 @@ def test_slurm_rank_env_the_older_names_and_a_port_from_the_job_pass_too():
         "MASTER_PORT": str(15000 + int(env["SLURM_JOB_ID"]) % 10000),
         "WORLD_SIZE": env["SLURM_NPROCS"], "RANK": env["SLURM_PROCID"],
         "LOCAL_RANK": env["SLURM_LOCALID"]})
-    assert verdict and "4 jobs, 21 tasks; 2 ranks met at localhost" in verdict.detail
+    assert verdict and "4 jobs, 21 tasks; 2 ranks, then 4, met at localhost" in verdict.detail
 
 
 def test_slurm_rank_env_wrong_missing_variables():
@@ -327,9 +327,10 @@ def test_slurm_rank_env_wrong_missing_variables():
 # ---- checkpoint_resume --------------------------------------------------------------------------
 
 
-def test_checkpoint_resume_the_solution_passes_on_two_ranks(solved):
+def test_checkpoint_resume_the_solution_passes_on_2_and_4_ranks(solved):
     verdict = exercise.checkpoint_resume(solved["my_resume"])
     assert verdict and "bitwise those of an uninterrupted run" in verdict.detail
+    assert "on 2 and on 4 ranks" in verdict.detail
 
 
 def _resume(*, pick=-1, model=True, optimizer=True, add=0):

@@ -2,8 +2,8 @@
 
 Each grader runs the learner's answer and returns what it verified, or raises
 :class:`labkit.check.NotYet` with what is wrong and a hint. The distributed ones run it on
-real ranks: two jobs started together (thread settings are read when a process starts), two
-warm ranks meeting at the address the learner's Slurm translation gives, two warm ranks
+real ranks: two jobs started together (thread settings are read when a process starts), 2 and
+4 warm ranks meeting at the address the learner's Slurm translation gives, 2 and 4 warm ranks
 resuming a DDP run with the learner's resume step.
 """
 
@@ -392,24 +392,26 @@ def slurm_rank_env(fn) -> str:
     """Exercise: ``fn(slurm_env)``, the five variables ``env://`` reads, for one Slurm task.
 
     Checked on every task of four jobs (several nodes, compressed node lists, one with another
-    number of tasks on each node, where SLURM_NTASKS_PER_NODE is not set), then on two
+    number of tasks on each node, where SLURM_NTASKS_PER_NODE is not set), then on 2 and on 4
     real ranks, each playing one task of a one-node job, that meet through a TCPStore hosted
     by the rank fn calls 0, at the address it gives.
 
     Example::
 
         >>> exercise.slurm_rank_env(my_rank_env)
-        [pass] torch's ranks from Slurm's: 4 jobs, 21 tasks; 2 ranks met at localhost
+        [pass] torch's ranks from Slurm's: 4 jobs, 21 tasks; 2 ranks, then 4, met at localhost
     """
     for job in _JOBS:
         _check_job(fn, *job)
-    met = on_ranks(_rendezvous_worker, fn, _free_port(), timeout=60)
-    if sorted(m["rank"] for m in met) != [0, 1] or any(m["seen"] != {0: "0", 1: "1"}
-                                                        for m in met):
-        raise NotYet(f"the two ranks saw {[m['seen'] for m in met]}",
-                     "each task must publish its own RANK and LOCAL_RANK")
+    for world in (2, 4):
+        met = on_ranks(_rendezvous_worker, fn, _free_port(), nproc=world, timeout=60)
+        want = {r: str(r) for r in range(world)}
+        if sorted(m["rank"] for m in met) != list(want) or any(m["seen"] != want for m in met):
+            raise NotYet(f"the {world} ranks of a {world}-task job saw "
+                         f"{[m['seen'] for m in met]}",
+                         "each task must publish its own RANK and LOCAL_RANK")
     tasks = sum(sum(counts) for _, _, counts, _ in _JOBS)
-    return f"{len(_JOBS)} jobs, {tasks} tasks; 2 ranks met at localhost"
+    return f"{len(_JOBS)} jobs, {tasks} tasks; 2 ranks, then 4, met at localhost"
 
 
 # ---- resuming from the newest checkpoint ---------------------------------------------------------
@@ -509,22 +511,23 @@ def checkpoint_resume(resume) -> str:
     """Exercise: ``resume(model, optimizer, folder) -> step``, the start of a restarted run.
 
     Checked here (no checkpoint yet: 0; checkpoints at steps 5 and 10: step 10, its weights
-    and its momentum), then on two warm ranks: a DDP run stopped after step 10 (checkpoints
-    every 4 steps) and run again with ``resume``, which must end bitwise on the weights of an
+    and its momentum), then on 2 and on 4 warm ranks: a DDP run stopped after step 10
+    (checkpoints every 4 steps) and run again with ``resume``, which must end bitwise on the weights of an
     uninterrupted run.
 
     Example::
 
         >>> exercise.checkpoint_resume(my_resume)
-        [pass] resume from the newest checkpoint: resumed at step 8 on 2 ranks, steps 9-16 ...
+        [pass] resume from the newest checkpoint: resumed at step 8 on 2 and on 4 ranks, ...
     """
     import torch
 
     steps, every, killed_after = 16, 4, 10
     with tempfile.TemporaryDirectory(prefix="labkit-resume-") as folder:
         _check_in_process(resume, Path(folder) / "here")
-        out = on_ranks(_resume_worker, resume, folder, _toy_data(), steps, every, killed_after,
-                       timeout=60)
+        out = [r for world in (2, 4)   # each world size its own folders
+               for r in on_ranks(_resume_worker, resume, f"{folder}/{world}", _toy_data(), steps,
+                                 every, killed_after, nproc=world, timeout=60)]
     last = killed_after // every * every
     for r in out:
         if r["resumed_from"] != last or r["steps_run"] != list(range(last + 1, steps + 1)):
@@ -538,8 +541,8 @@ def checkpoint_resume(resume) -> str:
             raise NotYet(f"after resuming, the weights differ from an uninterrupted run by up "
                          f"to {diff:.1e}",
                          "restore everything training carries: the model and the optimizer")
-    return (f"resumed at step {last} on 2 ranks, steps {last + 1}-{steps} redone or run, final "
-            f"weights bitwise those of an uninterrupted run")
+    return (f"resumed at step {last} on 2 and on 4 ranks, steps {last + 1}-{steps} redone or run, "
+            f"final weights bitwise those of an uninterrupted run")
 
 
 # ==== challenge: a sharded checkpoint, saved on n ranks and loaded on another number ==========
