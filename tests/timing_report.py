@@ -1,7 +1,8 @@
 """Where a test run's time went (``-p tests.timing_report --labkit-times=NAME``).
 
 At the end of a run this prints its ten slowest tests (setup, call and teardown together; in a
-notebook run each test is a cell) and keeps the run's figures in ``NAME.json`` in
+notebook run each test is a cell), and, for unit tests, the ten files whose tests take longest
+together, and keeps the run's figures in ``NAME.json`` in
 ``.pytest_cache/labkit-times`` (or ``$LABKIT_TIMES_DIR``). ``python -m tests.timing_report``
 prints the figures of the runs kept there, which ``make test`` does last, so that the slowest
 tests and notebooks stand at the bottom of every run and a regression shows as it happens.
@@ -48,6 +49,19 @@ def slowest(seconds: dict[str, float], n: int = SLOWEST) -> list[tuple[str, floa
     return sorted(seconds.items(), key=lambda kv: -kv[1])[:n]
 
 
+def by_file(seconds: dict[str, float]) -> list[tuple[str, float, int]]:
+    """(file, seconds summed over its tests, tests), slowest file first: where a speed-up pays.
+
+    Many tests of a few seconds each cost more than the one slow test at the top of the list.
+    """
+    files: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for nodeid, s in seconds.items():
+        entry = files[nodeid.split("::")[0]]
+        entry[0] += s
+        entry[1] += 1
+    return sorted(((f, s, n) for f, (s, n) in files.items()), key=lambda row: -row[1])
+
+
 def pytest_terminal_summary(terminalreporter, config):
     if not _seconds:
         return
@@ -55,6 +69,10 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.section(f"the {SLOWEST} slowest {kind} (setup + call + teardown)")
     for nodeid, seconds in slowest(_seconds):
         terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+    if kind == "tests":
+        terminalreporter.section(f"the {SLOWEST} slowest files (their tests summed)")
+        for path, seconds, n in by_file(_seconds)[:SLOWEST]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {n:3d} tests  {path}")
     name = config.getoption("--labkit-times")
     if name and not hasattr(config, "workerinput"):  # the controller, not an xdist worker
         _keep(name, config)
@@ -73,6 +91,7 @@ def _keep(name: str, config) -> None:
         "outcomes": dict(counts),
         "summed_s": round(sum(_seconds.values()), 1),
         "slowest": [[nodeid, round(s, 2)] for nodeid, s in slowest(_seconds)],
+        "files": [[f, round(s, 1), n] for f, s, n in by_file(_seconds)],
         "notebooks": [[nb, round(s, 2), cells] for nb, s, cells in
                       notebook_budget.notebook_times()],
     }
@@ -100,6 +119,10 @@ def report(names: list[str]) -> str:
         else:
             lines.append(f"   the {SLOWEST} slowest tests:")
             lines += [f"{s:8.1f} s  {nodeid}" for nodeid, s in f["slowest"]]
+            if f.get("files"):  # figures kept before files were counted have none
+                lines.append(f"   the {SLOWEST} slowest files (their tests summed):")
+                lines += [f"{s:8.1f} s  {n:3d} tests  {name}"
+                          for name, s, n in f["files"][:SLOWEST]]
     return "\n".join(lines)
 
 

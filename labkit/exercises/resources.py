@@ -512,8 +512,8 @@ def checkpoint_resume(resume) -> str:
 
     Checked here (no checkpoint yet: 0; checkpoints at steps 5 and 10: step 10, its weights
     and its momentum), then on 2 and on 4 warm ranks: a DDP run stopped after step 10
-    (checkpoints every 4 steps) and run again with ``resume``, which must end bitwise on the weights of an
-    uninterrupted run.
+    (checkpoints every 4 steps) and run again with ``resume``, which must end bitwise on the
+    weights of an uninterrupted run.
 
     Example::
 
