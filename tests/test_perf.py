@@ -68,15 +68,9 @@ def test_time_step_is_one_variant():
     assert row["compile"] is False and row["step_s"] > 0
 
 
-@pytest.mark.slow
-def test_compile_variant_compiles_once_and_steps():
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 10))
-    rows = perf.compare_steps(model, _images(size=4), {"eager": {}, "compiled": {"compile": True}},
-                              **TINY)
-    compiled = rows[1]
-    assert compiled["skipped"] is None and compiled["compile"] is True
-    # The first step compiled; later ones reuse the compiled code.
-    assert compiled["first_step_s"] > 5 * compiled["step_s"]
+# A compiled variant is run by notebook 04's section 3 in every profile, which asserts it was
+# compiled or skipped with torch.compile's reason; how much slower its first step is, is a
+# timing claim, judged there as a verdict (no unit test here: it cost 80 to 170 s of Inductor).
 
 
 def test_a_failing_compile_is_skipped_with_the_reason(monkeypatch):

@@ -351,11 +351,11 @@ def _ranks_named(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def _accuracy_run(fn, world: int, n: int, correct) -> list[dict]:
+def _accuracy_run(fn, world: int, n: int, correct, timeout: float) -> list[dict]:
     """One case on ``world`` ranks; a hang or a division by zero named for what it is here."""
     empty = n < world
     try:
-        return on_ranks(_accuracy_on_rank, fn, n, correct, nproc=world, timeout=_ACC_TIMEOUT)
+        return on_ranks(_accuracy_on_rank, fn, n, correct, nproc=world, timeout=timeout)
     except NotYet as wrong:
         where = f"on {world} ranks, {n} sample{'s' if n != 1 else ''}"
         if wrong.stuck:
@@ -475,13 +475,14 @@ def _accuracy_route(ranks: list[dict], n: int, where: str) -> None:
 
 
 @exercise("ddp_global_accuracy", notebook=NOTEBOOK, title="one accuracy for all ranks")
-def ddp_global_accuracy(fn, worlds=_ACC_WORLDS) -> str:
+def ddp_global_accuracy(fn, worlds=_ACC_WORLDS, *, timeout: float = _ACC_TIMEOUT) -> str:
     """Exercise: ``fn(model, dataset)`` is the accuracy on the whole set, each rank its slice.
 
     Run on 2, then 4 ranks: 13 validation samples (slices of 7 and 6, or 4, 3, 3 and 3, so
     averaging the slices' accuracies is wrong), then a set smaller than the ranks (one slice
     empty). Every rank must report the accuracy over the whole set, each sample evaluated once,
     reached by all-reducing the counts: at most two numbers (correct, seen), not the predictions.
+    A case still running after ``timeout`` seconds is a hang, named with where each rank waits.
 
     Example::
 
@@ -491,7 +492,7 @@ def ddp_global_accuracy(fn, worlds=_ACC_WORLDS) -> str:
     for world in worlds:
         for n, correct in _acc_cases(world):
             where = f"on {world} ranks, {n} sample{'s' if n != 1 else ''}"
-            ranks = _accuracy_run(fn, world, n, correct)
+            ranks = _accuracy_run(fn, world, n, correct, timeout)
             accs = [r["acc"] for r in ranks]
             if None in accs:
                 raise NotYet(f"your function returned {ranks[accs.index(None)]['returned']}",
