@@ -178,8 +178,14 @@ def supervise(run: Run, job: Job, nproc: int, timeout, show_ranks, command,
                 report_restarts(run.run_dir, errors)
             elif (error is not None or watch.dead or missing
                   or not ended and (task is not None or run.proc.returncode != 0)):
-                raise failure(error, run.proc.returncode, out.agent_log, out.logs,
-                              watch.dead or missing, run.run_dir)
+                failed = failure(error, run.proc.returncode, out.agent_log, out.logs,
+                                 watch.dead or missing, run.run_dir)
+                if ended and not (watch.stopped or watch.dead or missing):
+                    # Every warm rank raised or returned, then put its state back and marked
+                    # the end: nothing is left running that a next run could trip over.
+                    failed.ranks_back = True
+                    keep.append(True)
+                raise failed
             values = _collect(run.run_dir)
             keep.append(ended)
             return LaunchResult(values, seconds, out.logs, nproc, job.backend, command,
@@ -205,6 +211,7 @@ class WarmTask:
     number: int
     ended: set = dataclasses.field(default_factory=set)
     failed_at: float | None = None
+    settled_at: float | None = None
 
     def take(self, line: str) -> str:
         """Note and strip a rank's end-of-task mark; return what remains of the line."""
@@ -223,6 +230,16 @@ class WarmTask:
     def ended_by_all(self, nproc: int) -> bool:
         return len(self.ended) >= nproc
 
+    def others_finishing(self, now: float) -> bool:
+        """Once the failed ranks have marked the end: whether the others may still be about to.
+
+        A warm rank marks the end only after every rank has reached the same point (they agree
+        through the store whether to form the group again), so the rest follow within moments
+        unless one is stuck elsewhere; _REST_GRACE bounds the wait for those.
+        """
+        self.settled_at = self.settled_at or now
+        return now - self.settled_at < _REST_GRACE
+
     def settled(self, run_dir: Path) -> bool:
         """Whether the failed ranks' output is all in (they marked the end), or _SETTLE passed."""
         if {rank_of(f.name) for f in run_dir.glob(ERRORS)} <= self.ended:
@@ -236,6 +253,9 @@ class WarmTask:
 # own timeout. Tens of seconds: on a busy laptop an exit that destroys the group and unloads
 # torch can take that long.
 _TEARDOWN_S = 30.0
+# Seconds the other warm ranks get to mark a failed run's end after the failed ranks did: they
+# passed the same barrier, so this is their new group forming, not a wait for a stuck rank.
+_REST_GRACE = 5.0
 _CHECK_EVERY = 0.1  # seconds between two looks at the run's processes and folder
 
 
@@ -286,6 +306,11 @@ class _Watch:
         if not self.max_restarts:  # with restarts, torchrun replaces failed ranks itself
             failed = any(run.run_dir.glob(ERRORS))
             gone = [] if failed else silently_dead(run.run_dir, self.job.mode == "script")
+            if failed and not gone and task is not None and task.ended_by_all(self.nproc):
+                return True  # every rank is back in its loop: the pool decides what follows
+            if (failed and not gone and task is not None and task.settled(run.run_dir)
+                    and task.others_finishing(now)):
+                return False
             if gone or (failed and (task is None or task.settled(run.run_dir))):
                 # Stop the peers now rather than after torchrun's own (up to 30 s) shutdown,
                 # or never (torchrun takes a rank's exit code 0 for success, and waits).

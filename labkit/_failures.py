@@ -28,7 +28,9 @@ class LaunchError(RuntimeError):
     ``rank`` is the rank that failed first (a killed rank before the peers that lost it),
     ``logs`` every rank's output lines. The message shows at most the first lines of a long
     exception text and the traceback's last lines; ``full_message`` has the failing rank's
-    whole exception text and traceback (None when no rank raised).
+    whole exception text and traceback (None when no rank raised). ``ranks_back``: a run on
+    warm workers whose every rank returned to its loop after the failure, so that the pool
+    can serve the next run.
     """
 
     def __init__(self, message: str, *, rank: int | None = None, logs: dict | None = None,
@@ -37,6 +39,7 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.logs = logs or {}
         self.full_message = full_message
+        self.ranks_back = False
 
 
 class LaunchTimeout(LaunchError):

@@ -402,11 +402,11 @@ def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle, output: int) 
         number = 0
         while os.read(fifo, 1) == RUN_TASK:
             number += 1
-            _serve_one(run_dir, rank, number, cloudpickle, slate)
+            failed = not _serve_one(run_dir, rank, number, cloudpickle, slate)
             try:
                 # After _serve_one returned: the run's locals are gone, so what still holds
                 # CUDA memory now is really kept alive by the run.
-                retire = slate.restore(rank, number)
+                retire = slate.restore(rank, number, failed=failed)
             except BaseException as exc:  # noqa: BLE001 - the controller must stop this pool
                 what = (f"the warm rank {rank} could not restore its state after the run: "
                         f"{type(exc).__name__}: {exc}. The warm workers are stopped; the next "
@@ -429,16 +429,17 @@ def _serve(run_dir: str, rank: int, job: Job, device, cloudpickle, output: int) 
     return 0
 
 
-def _serve_one(run_dir: str, rank: int, number: int, cloudpickle, slate: _Slate) -> None:
-    """Run task ``number`` and leave its result or error in the run folder, as a cold rank would."""
+def _serve_one(run_dir: str, rank: int, number: int, cloudpickle, slate: _Slate) -> bool:
+    """Run task ``number`` and leave its result or error in the run folder, as a cold rank would.
+    Returns whether it succeeded."""
     try:
         task = _load_job(os.path.join(run_dir, task_file(number)), cloudpickle)
         slate.begin(task)
         value = _to_cpu(_run(task, rank))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the controller
         _write(run_dir, error_file(rank), _error_payload(exc, rank))
-        return
-    _report(run_dir, rank, value, cloudpickle)
+        return False
+    return _report(run_dir, rank, value, cloudpickle)
 
 
 _LIBC = None
@@ -591,9 +592,10 @@ class _Slate:
         if self.device is not None:
             self.torch.cuda.reset_peak_memory_stats(self.device)
 
-    def restore(self, rank: int, number: int) -> str:
+    def restore(self, rank: int, number: int, failed: bool = False) -> str:
         """Put back what a run changed; say so if it left CUDA tensors alive. Returns why the
-        rank must be replaced before the next run ('' if it need not)."""
+        rank must be replaced before the next run ('' if it need not). ``failed``: the run
+        raised on this rank."""
         import warnings
 
         torch = self.torch
@@ -610,7 +612,7 @@ class _Slate:
                 os.environ[key] = value
         os.chdir(self.cwd)
         os.umask(self.umask)
-        retire = self._restore_groups(rank, number)
+        retire = self._restore_groups(rank, number, failed)
         # Each switch is set only if the run changed it: the first call of some of them costs
         # seconds (use_deterministic_algorithms imports half of torch's compiler stack).
         if torch.get_num_threads() != self.threads:
@@ -668,17 +670,23 @@ class _Slate:
             streams.append(stream)
         sys.stdout, sys.stderr = self.streams = tuple(streams)
 
-    def _restore_groups(self, rank: int, number: int) -> str:
+    def _restore_groups(self, rank: int, number: int, failed: bool = False) -> str:
         """Destroy the groups the run made, and form the default group again if the run
-        destroyed or replaced it on any rank; returns why the rank must be replaced ('' if it
-        need not)."""
+        destroyed or replaced it on any rank, or failed on any rank of a CPU pool; returns why
+        the rank must be replaced ('' if it need not)."""
         dist = self.dist
         world = dist.group.WORLD if dist.is_initialized() else None
         for group in self._groups() - self.groups - {world}:
             dist.destroy_process_group(group)  # subgroups hold sockets or NCCL communicators
         # A rank that lost the default group cannot form it again alone: it would wait for
         # peers that still have theirs. So the ranks agree, through the store, whether all do.
-        lost = world is not self.world or not self.called.isdisjoint(_POINT_TO_POINT)
+        # A run that raised may have left its ranks after different numbers of collectives (a
+        # gloo collective is matched by a per-group counter) or a message unreceived: on a
+        # CPU pool a new default group costs well under a second, fresh processes several, so
+        # the ranks form it again and serve on. (A GPU pool is replaced after a failure: a
+        # CUDA error can leave the device unusable.)
+        lost = (world is not self.world or not self.called.isdisjoint(_POINT_TO_POINT)
+                or (failed and self.device is None))
         if not self._any_rank_lost_it(rank, number, lost=lost):
             return ""
         if dist.is_initialized():

@@ -3,8 +3,10 @@ function after function in milliseconds each (:func:`workers`, ``launch(warm=Tru
 
 A pool is one torchrun run in "serve" mode: its ranks loop over tasks written into the run
 folder, woken through one FIFO each. It is started and supervised by the same engine as a cold
-run (:mod:`labkit._spawn`, :mod:`labkit._engine`), with the same output, errors and timeouts;
-after any failure the pool is torn down and the next run starts fresh ranks. This module also
+run (:mod:`labkit._spawn`, :mod:`labkit._engine`), with the same output, errors and timeouts.
+After a run that raised, CPU ranks form their default group again and serve on; after any other
+failure (a timeout, an interrupt, a rank that died, any failure on GPUs) the pool is torn down
+and the next run starts fresh ranks. This module also
 keeps the kernel's own pools for ``launch(warm=True)`` and the choice of warm or cold
 (:func:`use_warm`, ``LABKIT_WARM``).
 """
@@ -221,18 +223,23 @@ class Workers:
         self.start_seconds = time.monotonic() - began
 
     def _dispatch(self, fn, args, kwargs, timeout, show_ranks) -> LaunchResult:
-        """Send one task to every rank and supervise it; stop the ranks if it fails."""
+        """Send one task to every rank and supervise it; stop the ranks if it fails (unless every
+        rank of a CPU pool came back from a Python error: they serve on)."""
         __tracebackhide__ = True
         number = self._tasks + 1
         task = Task(number, (fn, args, kwargs), sys_path(), os.getcwd(), self._env_changes())
         write_job(self._run_dir, task, task_file(number))  # unpicklable: nothing was sent
         self._tasks = number
         served: list[LaunchResult] = []
+        failed: list[BaseException] = []
 
         def cleanup():
-            if not served:  # failed, timed out, interrupted: the ranks are stopped
-                self._teardown()
-            elif retired := sorted(self._run_dir.glob(RETIRES)):
+            retired = sorted(self._run_dir.glob(RETIRES)) if self._run_dir is not None else []
+            if not served and not (self._back_after(failed) and not retired):
+                self._teardown()  # timed out, interrupted, a rank died: the ranks are stopped
+            elif not served:
+                self._lost = None  # a Python error on the ranks: they serve the next run
+            elif retired:
                 # The run changed what a rank cannot put back: fresh ranks for the next run.
                 self._lost = retired[0].read_text()
                 self._teardown(quit=True)
@@ -249,10 +256,18 @@ class Workers:
                 served.append(supervise(self._run, self._job, self.nproc, timeout, show_ranks,
                                         self._command, task=WarmTask(number)))
             except BaseException as exc:
+                failed.append(exc)
                 self._lost = _lost_by(exc)
                 raise
         self.runs += 1
         return served[0]
+
+    def _back_after(self, failed: list[BaseException]) -> bool:
+        """Whether a failed run left every rank back in its loop with a fresh default group, so
+        that this pool serves the next run: on CPU ranks (gloo) only. Fresh processes would cost
+        seconds after every wrong answer a learner tries."""
+        return (len(failed) == 1 and isinstance(failed[0], LaunchError)
+                and failed[0].ranks_back and not self._gpus and self._running())
 
     def _env_changes(self) -> dict[str, str | None]:
         """What a cold run started now would see differently in its environment."""
@@ -357,8 +372,12 @@ def workers(nproc: int = 2, backend: str = "auto", framework: str = "torch",
     (``TORCH_DISTRIBUTED_DEBUG``, ``NCCL_DEBUG``, ...) when the pool starts: pass those in
     ``env=``, which makes a pool of its own.
 
-    After a run that fails, times out or is interrupted, the ranks are stopped (every process
-    and the run folder): the next run starts fresh ones and says so in one line. Each idle
+    After a run that raised a Python exception on CPU ranks (gloo), every rank puts its state
+    back as above and the ranks form the default group again (a run that stopped part-way may
+    have left them after different numbers of collectives): they serve the next run at once.
+    After a run that times out, is interrupted, loses a rank, or fails on GPUs (a CUDA error
+    can leave the device unusable), the ranks are stopped (every process and the run folder):
+    the next run starts fresh ones and says so in one line. Each idle
     rank holds torch in memory (about 300 MB; on GPUs also a CUDA context): ``with`` or
     ``.stop()`` ends a pool, ``labkit.stop_workers()`` every pool, and all end with the
     kernel, even one that is killed. ``launch(warm=True)`` keeps at most
@@ -446,8 +465,8 @@ def _cold_only(fn, framework, nnodes, rdzv_endpoint, max_restarts, keep_run_dir)
                 "warm workers are one node's. Use warm=False")
     if max_restarts:
         return ("max_restarts lets torchrun replace the whole worker group after a failure, "
-                "while warm workers keep one group for many runs (and are replaced after any "
-                "failure anyway). Use warm=False, or max_restarts=0")
+                "while warm workers keep one group for many runs (and are replaced after a "
+                "failure that is not a Python error). Use warm=False, or max_restarts=0")
     if keep_run_dir:
         return ("warm workers share one run folder between their runs and remove it when they "
                 "stop. Use warm=False to keep a run's folder")

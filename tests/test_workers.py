@@ -240,6 +240,49 @@ def noop():
     return 1
 
 
+def raise_after_an_unmatched_isend():
+    """Rank 0 sends a message rank 1 never receives; then every rank raises. Without a new
+    group a later recv on rank 1 would be given that stale message."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.isend(torch.full((1,), 100.0), dst=1)
+    raise ValueError(f"wrong on rank {dist.get_rank()}")
+
+
+def recv_on_rank_1():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(1)
+    if dist.get_rank() == 0:
+        dist.send(torch.full((1,), 7.0), dst=1)
+    else:
+        dist.recv(t, src=0)
+    return t.item()
+
+
+def raise_before_the_collective_on_rank_1():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom before the all-reduce")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, which never comes
+
+
+def raise_on_rank_1_after_a_collective():
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        raise ValueError("boom after the all-reduce")
+    return t.item()
+
+
 def return_a_lock_on_rank_1():
     import torch.distributed as dist
 
@@ -357,7 +400,7 @@ def test_200_warm_runs_leak_no_process_descriptor_or_memory(pool):
     assert max(growth) < 10, f"RSS grew by {growth} MiB per rank over 200 runs (bound: 10 MiB)"
 
 
-# ---- failures, hangs, interrupts: cold's semantics, then a fresh pool --------------------------
+# ---- failures, hangs, interrupts: cold's semantics; a fresh pool unless the ranks came back ----
 
 
 def test_a_failing_rank_gives_launch_error_and_the_next_run_a_fresh_pool(pool, capsys):
@@ -377,6 +420,38 @@ def test_a_failing_rank_gives_launch_error_and_the_next_run_a_fresh_pool(pool, c
     out = capsys.readouterr().out
     assert out.count(FRESH.format(why="the last run failed")) == 1
     assert set(pool.pids()).isdisjoint(old)
+
+
+@pytest.mark.parametrize("fn, rank", [(raise_after_an_unmatched_isend, None),
+                                      (raise_on_rank_1_after_a_collective, 1)])
+def test_a_python_error_leaves_the_ranks_serving_with_a_fresh_group(pool, capsys, fn, rank):
+    """Every rank came back from the error (raised, or returned): no new processes, and the
+    default group formed again, so the next run's messages are matched as in a fresh pool."""
+    pool.run(noop)
+    pids = pool.pids()
+    capsys.readouterr()
+    with pytest.raises(LaunchError) as info:
+        pool.run(fn)
+    assert rank is None or info.value.rank == rank  # both raised: either may come first
+    assert info.value.ranks_back and "ValueError" in str(info.value)
+    assert pool.run(recv_on_rank_1).values == [0.0, 7.0]  # not the stale 100
+    assert [v["sum"].item() for v in pool.run(total, 1).values] == [3, 3]
+    assert pool.pids() == pids and "fresh ones" not in capsys.readouterr().out
+
+
+def test_a_rank_stuck_after_another_raised_still_stops_the_pool(pool, capsys):
+    """The others get a moment to come back, not more: a rank left waiting in a collective for
+    the one that raised is stopped, and the next run starts fresh ranks."""
+    pool.run(noop)
+    pids = pool.pids()
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        pool.run(raise_before_the_collective_on_rank_1)
+    assert not info.value.ranks_back and time.monotonic() - start < 20
+    assert not wait_dead(pids, within=5)
+    capsys.readouterr()
+    assert pool.run(noop).values == [1, 1]
+    assert FRESH.format(why="the last run failed") in capsys.readouterr().out
 
 
 def test_a_hang_gives_launch_timeout_with_stacks_then_a_fresh_pool(pool, capsys):
@@ -446,14 +521,15 @@ def test_a_result_the_kernel_cannot_load_stops_the_pool_too(pool, tmp_path, caps
     assert FRESH.format(why="the last run ended with ModuleNotFoundError") in out
 
 
-def test_an_unpicklable_return_value_names_the_rank_then_a_fresh_pool(pool, capsys):
+def test_an_unpicklable_return_value_names_the_rank_and_the_ranks_serve_on(pool, capsys):
     pool.run(noop)
+    pids = pool.pids()
     with pytest.raises(LaunchError, match="return value of rank 1 .*cannot be pickled") as info:
         pool.run(return_a_lock_on_rank_1)
-    assert info.value.rank == 1
+    assert info.value.rank == 1 and info.value.ranks_back
     capsys.readouterr()
     assert pool.run(noop).values == [1, 1]
-    assert FRESH.format(why="the last run failed") in capsys.readouterr().out
+    assert pool.pids() == pids and "fresh ones" not in capsys.readouterr().out
 
 
 def test_a_rank_that_cannot_restore_its_state_stops_the_pool(tmp_path, monkeypatch):
