@@ -45,6 +45,18 @@ def _png(fig) -> bytes:
     return buffer.getvalue()
 
 
+WIDTH = 100  # characters of a line an output area shows whole
+
+
+def _fit(text: str) -> str:
+    """``text`` with each line over :data:`WIDTH` characters broken at spaces."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False,
+                                    subsequent_indent=line[:len(line) - len(line.lstrip())])
+                      if len(line) > WIDTH else line for line in text.split("\n"))
+
+
 class Shown:
     """One ordinary output of an explorer's cell (its figure, or its text), kept up to date.
 
@@ -73,6 +85,9 @@ class Shown:
         self._set({"image/png": base64.b64encode(png).decode("ascii"), "text/plain": alt})
 
     def message(self, text: str, html_text: str | None = None) -> None:
+        """Show ``text`` (and ``html_text``, else ``text`` as preformatted HTML); a line over
+        :data:`WIDTH` characters is broken at spaces, as an output area would break it mid-word."""
+        text = _fit(text)
         self._set({"text/plain": text,
                    "text/html": html_text if html_text is not None else
                    f"<pre>{html.escape(text)}</pre>"})
@@ -268,11 +283,13 @@ def schedule_explorer(stages: int = 4, m: int = 8, chunks: int = 2,
                          f"<b>cannot draw this one:</b> {html.escape(str(err))}")
             return None
         formula = result["formula"]
+        # Two lines: one would be wider than the output area, which wraps it mid-word.
         text.message(f"bubble {result['bubble']:.3f} of the step, formula "
                      f"{'none (m < p)' if formula is None else f'{formula:.3f}'}; "
-                     f"idle / compute {result['idle_per_compute']:.3f}; activations held "
-                     f"(stages' worth) {[round(x, 2) for x in result['peak_in_flight']]}; "
-                     f"{result['messages']} messages")
+                     f"idle / compute {result['idle_per_compute']:.3f}; "
+                     f"{result['messages']} messages\n"
+                     f"activations held per rank (stages' worth): "
+                     f"{[round(x, 2) for x in result['peak_in_flight']]}")
         title = (f"{values['name']}: p={values['stages']}, m={values['m']}, "
                  f"v={values['chunks']}")
         picture.figure(_png(draw(result["events"], title=title)), f"timeline of {title}")

@@ -1,18 +1,29 @@
 """The notebooks in a real browser: JupyterLab driven by Playwright in Debian's Chromium.
 
 What no other test shows: that the course works where learners use it. JupyterLab starts on
-127.0.0.1 with a token, on a temporary copy of notebooks/ in the smoke profile; Chromium opens a
-notebook, runs its cells from the Run menu (all of notebook 00; notebook 01 through its widget
-and its first exercise, which it then works as a learner does: a wrong answer typed in gets
-its hint, the right one a pass),
-waits for the kernel to go idle, and the DOM must show the plots and the widgets, and no error
-anywhere. A screenshot of each notebook is kept in tests/artifacts/ (gitignored) for a human
-to look at.
+127.0.0.1 with a token, on a temporary copy of notebooks/ in the smoke profile, with the
+course's JupyterLab settings (`make lab`'s: the widgets' state is saved with a notebook).
+Chromium opens a notebook, runs its cells from the Run menu, waits for the kernel to go idle,
+and the DOM must show the plots and the widgets, no error anywhere, and no line of text wider
+than its output area (nor, in the saved notebook, over 100 characters). Covered:
+
+- notebook 00, all of it;
+- notebook 01 through its augmentation explorer and its first exercise, which it then works as
+  a learner does: a wrong answer typed in gets its hint, the right one a pass;
+- notebook 10's two explorers (the schedule explorer and the planner), in a copy of the notebook
+  cut down to its setup cell and the explorers' cells: a control moved in the page changes the
+  figure and the text, a one-chunk schedule disables the chunks slider, an impossible schedule
+  shows its message and no stale figure; saved, closed, its kernel stopped and reopened without
+  running anything, the notebook shows the explorers' last figures and controls, no widget error;
+- labkit.progress's per-rank bars in a launch on two ranks: their summary (every rank at 100 %)
+  stays in the notebook, saved and reopened likewise;
+- that the checks can fail: a cell that raises, a printed line of 300 characters.
+
+A screenshot of each is kept in tests/artifacts/ (gitignored) for a human to look at.
 
 Chromium is Debian's (/usr/bin/chromium, `apt-get install chromium`; .ci/run installs it), never
 the one `playwright install` downloads: that download fails offline.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +41,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labkit.jupyter import lab_command, port_free
+from labkit.jupyter import install_lab_settings, lab_command, port_free
+from tests.notebook_lines import too_long
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -89,6 +101,9 @@ def lab(tmp_path_factory):
     tracker = tmp / "jupyterlab_settings_dir" / "@jupyterlab" / "notebook-extension"
     tracker.mkdir(parents=True)
     (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    # The course's defaults, as `make lab` installs them (saveState: a notebook saved and
+    # reopened draws its widgets from the state saved with it).
+    install_lab_settings()
 
     port, token = free_port(), "labkit-browser-test"
     log = open(tmp / "jupyterlab.log", "wb")  # closed in the teardown
@@ -134,22 +149,28 @@ def browser():
             chromium.close()
 
 
-def run_notebook(browser, lab, name: str, through: str | None = None):
-    """Open a notebook and run it from the Run menu: all cells, or (``through``) the cells up
-    to and including the first code cell containing that text. Wait until they all ran and the
-    kernel is idle; return the page (for the DOM checks) and the notebook as saved after the run.
-    """
+def open_notebook(browser, lab, name: str, workspace: str | None = None):
+    """A new page with the notebook open and its kernel connected and idle; nothing is run."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     # A workspace of its own: JupyterLab would otherwise reopen the notebooks of earlier tests
     # beside this one, and the selectors below would see their cells too.
-    workspace = Path(name).stem.replace("_", "-")
+    workspace = workspace or Path(name).stem.replace("_", "-")
     page.goto(f"{lab['base']}/lab/workspaces/{workspace}/tree/{name}?token={lab['token']}")
     page.locator(".jp-Notebook .jp-Cell").first.wait_for()
     # The toolbar says "idle" before the kernel has even connected, and Run All then silently
     # does nothing; the status bar's "| Idle" comes only from a connected kernel.
     page.wait_for_function("() => /\\|\\s*Idle/.test(document.querySelector('#jp-main-statusbar')"
                            "?.innerText ?? '')", timeout=120_000)
+    return page
+
+
+def run_notebook(browser, lab, name: str, through: str | None = None):
+    """Open a notebook and run it from the Run menu: all cells, or (``through``) the cells up
+    to and including the first code cell containing that text. Wait until they all ran and the
+    kernel is idle; return the page (for the DOM checks) and the notebook as saved after the run.
+    """
+    page = open_notebook(browser, lab, name)
     source = json.loads((lab["root"] / name).read_text())["cells"]
     if through is None:
         command, n_code = "runmenu:run-all", sum(c["cell_type"] == "code" for c in source)
@@ -210,6 +231,35 @@ def loaded_images(page, selector: str) -> int:
     return page.eval_on_selector_all(selector, "els => els.filter(e => e.naturalWidth > 0).length")
 
 
+def wide_outputs(page) -> list[list]:
+    """``[width, room, text]`` of each text output (a ``pre``: stdout, stderr, text/plain, or an
+    HTML one) with a line wider than its output area. JupyterLab wraps such a line mid-word
+    rather than letting it scroll, so each is measured unwrapped for a moment."""
+    return page.eval_on_selector_all(".jp-OutputArea-output pre", """els => els.map(e => {
+        const wrap = e.style.whiteSpace;
+        e.style.whiteSpace = 'pre';
+        const measured = [e.scrollWidth, e.clientWidth, e.innerText.slice(0, 200)];
+        e.style.whiteSpace = wrap;
+        return measured;
+    }).filter(([width, room]) => width > room + 1)""")
+
+
+def long_lines(nb, limit: int = 100) -> list[tuple[int, int, str]]:
+    """``(cell index, length, line)`` of each line of text the saved outputs show over ``limit``
+    characters (what `make notebooks` checks with LINE_CHECK=1, here for the browser's runs)."""
+    return [(i, n, line) for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+            for n, line in too_long(c.get("outputs"), limit)]
+
+
+def assert_lines_fit(page, nb, name: str):
+    wide = wide_outputs(page)
+    assert not wide, (f"{name}: a line {wide[0][0]} px wide in an output area of {wide[0][1]} px: "
+                      f"{wide[0][2]!r}")
+    long = long_lines(nb)
+    assert not long, (f"{name}: cell {long[0][0]} shows a line of {long[0][1]} characters "
+                      f"(over 100): {long[0][2][:120]!r}")
+
+
 def screenshot(page, locator, name: str) -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     locator.scroll_into_view_if_needed()
@@ -224,6 +274,7 @@ def test_notebook_00_runs_in_the_browser(browser, lab):
     page, nb = run_notebook(browser, lab, name)
     try:
         assert_no_errors(page, nb, name)
+        assert_lines_fit(page, nb, name)
         assert loaded_images(page, ".jp-OutputArea-output img") >= 1, "no plot in the outputs"
         plot = page.locator(".jp-OutputArea-output img").last
         assert "algbw" in page.locator(".jp-Notebook").inner_text()  # the bandwidth table
@@ -304,21 +355,258 @@ def stop_kernels(lab):
     assert not alive, f"still running after the kernel shut down: {[p.pid for p in alive]}"
 
 
-def test_a_failing_cell_is_caught(browser, lab):
-    """The checks above are not vacuous: a notebook whose cell raises fails them, fast."""
+# ---- what a saved notebook keeps: the explorers' figures, the progress bars' summary ------------
+
+
+def cut_notebook(lab, source: str, name: str, finds: list[str]) -> list[int]:
+    """Write ``name``: the notebook ``source`` cut down to its first code cell (imports, setup)
+    and the code cells containing each of ``finds``, each with the markdown just above it, as
+    the notebook has them. Return the index of each found cell in the new notebook."""
     import nbformat
 
-    name = "zz_fails.ipynb"
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('before')"),
-                                         nbformat.v4.new_code_cell("1 / 0"),
-                                         nbformat.v4.new_code_cell("print('never')")])
+    nb = nbformat.read(ROOT / "notebooks" / source, as_version=4)
+    cells = nb.cells
+    keep = [next(c for c in cells if c.cell_type == "code")]
+    found = []
+    for text in finds:
+        i = next(i for i, c in enumerate(cells) if c.cell_type == "code" and text in c.source)
+        if cells[i - 1].cell_type == "markdown":
+            keep.append(cells[i - 1])
+        found.append(len(keep))
+        keep.append(cells[i])
+    nb.cells = keep
+    nbformat.write(nb, lab["root"] / name)
+    return found
+
+
+def shown(page, index: int) -> dict:
+    """What cell ``index`` shows beside its widgets: its figure (the image's src) and its HTML
+    text (the explorers' and the progress bars' messages)."""
+    return page.evaluate("""i => {
+        const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+        const img = cell.querySelector('.jp-OutputArea-output img');
+        const html = cell.querySelectorAll('.jp-OutputArea-output[data-mime-type="text/html"]');
+        return {src: img ? img.src : null, text: [...html].map(e => e.innerText).join('\\n')};
+    }""", index)
+
+
+def wait_shown(page, index: int, condition, what: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        now = shown(page, index)
+        if condition(now):
+            return now
+        assert time.monotonic() < deadline, f"{what}: cell {index} shows {now['text'][:300]!r}"
+        page.wait_for_timeout(250)
+
+
+def control(cell, kind: str, label: str):
+    """The ipywidgets control of class ``kind`` (".widget-slider") described as ``label``."""
+    return cell.locator(kind).filter(has=cell.page.locator(
+        ".widget-label", has_text=re.compile(f"^{re.escape(label)}$")))
+
+
+def set_slider(cell, label: str, value: int):
+    """As a learner types a value into a slider's readout."""
+    readout = control(cell, ".widget-slider", label).locator(".widget-readout")
+    readout.fill(str(value))
+    readout.press("Enter")
+
+
+def saved_figures(nb, index: int) -> list[str]:
+    """The PNGs (base64) among the saved outputs of cell ``index``."""
+    return ["".join(o["data"]["image/png"]).replace("\n", "")
+            for o in nb["cells"][index].get("outputs", []) if "image/png" in o.get("data", {})]
+
+
+def png_of(src: str | None) -> list[str]:
+    return [] if src is None else [src.split("base64,", 1)[1]]
+
+
+def save(page, lab, name: str, ready) -> dict:
+    """Save from the page (Control+s) and return the notebook file once ``ready(nb)``."""
+    page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + 30
+    while True:
+        nb = json.loads((lab["root"] / name).read_text())
+        if ready(nb):
+            return nb
+        assert time.monotonic() < deadline, f"{name}: the saved file lacks the last outputs"
+        time.sleep(0.5)
+
+
+def reopen(browser, lab, name: str):
+    """The notebook reopened in a new page after its kernel was stopped, nothing run: all it
+    shows comes from the saved file. Return the page once its widgets are drawn or failed."""
+    stop_kernels(lab)  # else the new page finds the old kernel, and its widgets, still there
+    page = open_notebook(browser, lab, name, workspace=Path(name).stem.replace("_", "-") + "-2")
+    try:
+        page.wait_for_function("() => !document.querySelector('.jp-Notebook').innerText"
+                               ".includes('Loading widget')", timeout=30_000, polling=250)
+    except sync_api.TimeoutError:
+        pytest.fail(f"{name}: reopened, a widget still says 'Loading widget...' after 30 s")
+    return page
+
+
+def assert_no_widget_errors(page, name: str):
+    text = page.locator(".jp-Notebook").inner_text()
+    for error in ("Error displaying widget", "model not found"):
+        assert error not in text, f"{name}: {error!r} in the reopened notebook"
+
+
+def test_notebook_10_explorers_move_and_a_saved_notebook_keeps_their_figures(browser, lab):
+    # Notebook 10's own setup and explorer cells only: the rest of it takes minutes and shows
+    # nothing of the explorers.
+    name = "10_explorers.ipynb"
+    at_schedule, at_planner = cut_notebook(lab, "10_composing_parallelism.ipynb", name, [
+        "explorers.schedule_explorer(", "explorers.planner_explorer("])
+    page, nb = run_notebook(browser, lab, name)
+    reopened = None
+    try:
+        assert_no_errors(page, nb, name)
+        assert_lines_fit(page, nb, name)
+        cells = page.locator(".jp-Notebook .jp-Cell")
+        schedule, planner = cells.nth(at_schedule), cells.nth(at_planner)
+        first = wait_shown(page, at_schedule, lambda s: s["src"] and "bubble" in s["text"],
+                           "the schedule explorer's first timeline")
+        # A one-chunk schedule: another timeline, and the chunks slider shows 1, disabled.
+        menu = control(schedule, ".widget-dropdown", "schedule").locator("select")
+        menu.select_option(label="1f1b")
+        wait_shown(page, at_schedule, lambda s: s["src"] not in (None, first["src"])
+                   and "bubble" in s["text"] and s["text"] != first["text"], "1F1B's timeline")
+        chunks = control(schedule, ".widget-slider", "chunks v").locator(".widget-readout")
+        sync_api.expect(chunks).to_have_text("1")
+        sync_api.expect(chunks).to_have_attribute("contenteditable", "false")
+        # Back to interleaved: the 2 chunks come back, and with them the first timeline.
+        menu.select_option(label="interleaved 1f1b")
+        sync_api.expect(chunks).to_have_text("2")
+        sync_api.expect(chunks).to_have_attribute("contenteditable", "true")
+        wait_shown(page, at_schedule, lambda s: s == first, "interleaved 1F1B's timeline again")
+        # m=6 on 4 ranks cannot be interleaved: the message, and no figure of m=8 under it.
+        set_slider(schedule, "micro-batches m", 6)
+        refused = wait_shown(page, at_schedule, lambda s: "cannot draw this one" in s["text"],
+                             "the message for m=6")
+        assert refused["src"] is None, f"{name}: a stale figure under {refused['text']!r}"
+        set_slider(schedule, "micro-batches m", 12)
+        last = wait_shown(page, at_schedule, lambda s: s["src"] not in (None, first["src"])
+                          and "bubble" in s["text"], "the timeline for m=12")
+
+        before = wait_shown(page, at_planner, lambda s: s["text"], "the planner's first plan")
+        presets = control(planner, ".widget-dropdown", "preset").locator("select")
+        other = presets.locator("option").all_inner_texts()[1]
+        presets.select_option(label=other)
+        planned = wait_shown(page, at_planner, lambda s: s["src"] != before["src"]
+                             and s["text"] not in ("", before["text"]), f"the plan of {other}")
+        assert planned["src"], f"{name}: {other} is refused: {planned['text'][:300]!r}"
+        assert_no_errors(page, nb, name)
+        assert_lines_fit(page, nb, name)
+        screenshot(page, schedule, name)
+
+        saved = save(page, lab, name, lambda nb: saved_figures(nb, at_schedule) ==
+                     png_of(last["src"]) and saved_figures(nb, at_planner) ==
+                     png_of(planned["src"]))
+        assert "application/vnd.jupyter.widget-state+json" in saved["metadata"].get(
+            "widgets", {}), f"{name}: saved without its widgets' state (saveState is off)"
+        page.close()
+        reopened = reopen(browser, lab, name)
+        assert_no_widget_errors(reopened, name)
+        assert shown(reopened, at_schedule) == last, "not the last timeline and its bubble"
+        assert shown(reopened, at_planner) == planned, "not the last plan"
+        assert loaded_images(reopened, ".jp-OutputArea-output img") == 2
+        # The saved widgets' state draws the controls again (they need a kernel to move).
+        assert reopened.locator(".jp-OutputArea .widget-slider").count() >= 4
+        assert_lines_fit(reopened, saved, name)
+        screenshot(reopened, reopened.locator(".jp-Notebook .jp-Cell").nth(at_schedule),
+                   "10_explorers_reopened")
+    finally:
+        page.close()
+        if reopened is not None:
+            reopened.close()
+        stop_kernels(lab)
+
+
+PROGRESS_CELL = '''import time
+
+import labkit
+
+
+def train(steps):
+    for _ in labkit.progress(range(steps), desc="train"):
+        time.sleep(0.02)
+    return steps
+
+
+labkit.launch(train, 40, nproc=2).values'''
+
+
+def test_progress_bars_leave_their_summary_in_a_saved_notebook(browser, lab):
+    name = "zz_progress.ipynb"
+    write_notebook(lab, name, [PROGRESS_CELL])
+    page, nb = run_notebook(browser, lab, name)
+    reopened = None
+    ended = re.compile(r"rank 0 train\s+40/40 \(100%\) in .*\n.*rank 1 train\s+40/40 \(100%\) in ")
+    try:
+        assert_no_errors(page, nb, name)
+        # The run is over: the live bars gave way to their summary, no widget left.
+        summary = wait_shown(page, 0, lambda s: ended.search(s["text"]), "both ranks at 100%")
+        assert "starting 2 workers ... ready in" in summary["text"]
+        assert page.locator(".jp-OutputArea .jupyter-widgets").count() == 0
+        assert "[40, 40]" in page.locator(".jp-OutputArea").inner_text()
+        assert_lines_fit(page, nb, name)
+        saved = save(page, lab, name, lambda nb: any(
+            "40/40" in "".join(o.get("data", {}).get("text/html", ""))
+            for o in nb["cells"][0].get("outputs", [])))
+        page.close()
+        reopened = reopen(browser, lab, name)
+        assert_no_widget_errors(reopened, name)
+        assert shown(reopened, 0) == summary
+        assert reopened.locator(".jp-OutputArea-output progress").count() == 2
+        assert_lines_fit(reopened, saved, name)
+        screenshot(reopened, reopened.locator(".jp-OutputArea").first, "progress_reopened")
+    finally:
+        page.close()
+        if reopened is not None:
+            reopened.close()
+        stop_kernels(lab)
+
+
+def write_notebook(lab, name: str, sources: list[str]) -> None:
+    """A notebook of these code cells in JupyterLab's folder, for the kernel the course uses."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
                                  "language": "python"}
     nbformat.write(nb, lab["root"] / name)
+
+
+def test_a_failing_cell_is_caught(browser, lab):
+    """The checks above are not vacuous: a notebook whose cell raises fails them, fast."""
+    name = "zz_fails.ipynb"
+    write_notebook(lab, name, ["print('before')", "1 / 0", "print('never')"])
     page, saved = run_notebook(browser, lab, name)
     try:
         with pytest.raises(AssertionError, match="ZeroDivisionError: division by zero"):
             assert_no_errors(page, saved, name)
+    finally:
+        page.close()
+        stop_kernels(lab)
+
+
+def test_a_line_wider_than_its_output_area_is_caught(browser, lab):
+    """Nor is the line check: a printed line of 300 characters fails it, in the page (wider
+    than the output area, unwrapped) and in the saved notebook (over 100 characters)."""
+    name = "zz_wide.ipynb"
+    write_notebook(lab, name, ["print('short')", "print(' '.join(['word'] * 60) + '.')"])
+    page, saved = run_notebook(browser, lab, name)
+    try:
+        assert_no_errors(page, saved, name)
+        wide = wide_outputs(page)
+        assert len(wide) == 1 and wide[0][2].startswith("word word"), wide
+        assert [(i, n) for i, n, _ in long_lines(saved)] == [(1, 300)]
+        with pytest.raises(AssertionError, match="px wide in an output area of"):
+            assert_lines_fit(page, saved, name)
     finally:
         page.close()
         stop_kernels(lab)

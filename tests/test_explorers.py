@@ -79,7 +79,7 @@ def test_schedule_explorer_updates_and_reports():
     assert "bubble 0.111 of the step, formula 0.111" in box.message.text
     controls = box.controls
     controls["m"].value = 3  # m=3 does not split into groups of 2: the message, not a figure
-    assert box.result is None and "not a multiple of 2" in box.message.text
+    assert box.result is None and "not a multiple of 2" in " ".join(box.message.text.split())
     assert box.figure.png is None, "the figure of m=4 is gone: it is not this one"
     controls["name"].value = "gpipe"
     assert box.result["name"] == "gpipe" and box.result["chunks"] == 1
@@ -101,6 +101,20 @@ def test_schedule_explorer_disables_chunks_for_one_chunk_schedules():
     assert started.controls["chunks"].disabled and started.result["chunks"] == 1
     started.controls["name"].value = "interleaved 1f1b"
     assert started.controls["chunks"].value == 3
+
+
+def test_the_schedule_explorers_text_fits_the_output_area():
+    # The widest case the sliders allow: 8 ranks' activations, four-digit message counts.
+    box = schedule_explorer(stages=8, m=32, chunks=4)
+    for name in ("gpipe", "1f1b", "interleaved 1f1b", "zero bubble"):
+        box.controls["name"].value = name
+        lines = box.message.text.splitlines()
+        assert len(lines) == 2 and max(map(len, lines)) <= 100, lines
+        assert box.message.data["text/html"].count("\n") == 1, "the HTML breaks where the text does"
+    box.controls["m"].value = 31  # the refusal names the schedule, m and the m that work
+    lines = box.message.text.splitlines()
+    assert "cannot draw this one" in lines[0] and max(map(len, lines)) <= 100, lines
+    assert " ".join(lines).endswith("use m = 24 or 32"), "broken at spaces, nothing lost"
 
 
 def test_a_displayed_explorer_leaves_its_figure_and_text_as_ordinary_outputs(displayed):
