@@ -40,6 +40,7 @@ from .parallel.memory import counting_saved_bytes
 __all__ = ["AMP_MODES", "HOOKS", "compare_steps", "time_step", "grad_scaler_check",
            "loader_throughput", "compare_loaders", "accumulation_check", "powersgd_bytes",
            "comm_hook_sweep", "overlap_check", "VGG16_VARIANTS", "PEAK_TFLOPS", "peak_tflops",
+           "cpu_bf16_unit",
            "vgg16_throughput", "print_vgg16_throughput", "profile_top_ops", "timing_verdict",
            "result_row", "results_table"]
 
@@ -598,6 +599,29 @@ PEAK_TFLOPS = (
     (r"L40S", {"bf16": 362.1, "tf32": 183.0, "fp32": 91.6}),
     (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
 )
+
+
+def cpu_bf16_unit(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's bf16 hardware as Linux reports it: "AMX" (amx_bf16), "AVX-512 BF16"
+    (avx512_bf16), or None when the flags name neither or cannot be read (another OS).
+
+    It decides whether a bf16 step can beat fp32 on this CPU: without such a unit oneDNN
+    converts every operand in software.
+
+    Example::
+
+        >>> cpu_bf16_unit()          # on a Sapphire Rapids Xeon
+        'AMX'
+    """
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return None
+    if "amx_bf16" in flags:
+        return "AMX"
+    return "AVX-512 BF16" if "avx512_bf16" in flags else None
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:

@@ -609,3 +609,12 @@ def test_vgg16_throughput_on_a_gpu():
     assert rows[0]["precision"] in ("tf32", "fp32")
     compiled = rows[3]
     assert compiled["images_per_s"] or compiled["skipped"].startswith("torch.compile failed")
+
+
+def test_cpu_bf16_unit_reads_the_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    for flags, unit in [("fpu sse avx2", None), ("avx512f avx512_bf16", "AVX-512 BF16"),
+                        ("avx512_bf16 amx_bf16 amx_tile", "AMX")]:
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+        assert perf.cpu_bf16_unit(str(info)) == unit
+    assert perf.cpu_bf16_unit(str(tmp_path / "missing")) is None  # not Linux: unknown
