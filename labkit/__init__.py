@@ -76,6 +76,7 @@ _LAZY = {
     "use_warm": ".launcher",
     "progress": "._progress",
     "show": ".source",  # the source of what a notebook teaches
+    "show_table": "._display",  # a table: HTML in Jupyter, aligned text within 100 elsewhere
 }
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",

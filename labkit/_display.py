@@ -8,6 +8,9 @@ with its details beside it and its hint on its own line (``text/html``), and eve
 the plain text it always was: the same display carries that text as ``text/plain``, which is
 what logs, ``nbval`` and a terminal read. A rank's process and a DataLoader worker are not the
 kernel: they print.
+
+A table (:func:`show_table`, ``labkit.show_table``) shows the same way: an HTML table in the
+kernel, and the same cells as aligned text, within :data:`WIDTH`, everywhere else.
 """
 
 from __future__ import annotations
@@ -119,3 +122,107 @@ def show_verdict(label: str, title: str, detail: str, notes=()) -> str:
     plain = verdict_text(label, title, detail, notes)
     show(plain, verdict_html(label, title, detail, notes))
     return plain
+
+
+def _cell(value, spec=None) -> str:
+    """One table cell as text: ``spec`` (a format spec, a ``{}`` template or a callable) if
+    given; else whole numbers with thousands separators, others to 4 significant figures."""
+    if value is None:
+        return ""
+    if callable(spec):
+        return str(spec(value))
+    if spec:
+        return spec.format(value) if "{" in spec else format(value, spec)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return f"{value:,.0f}" if isinstance(value, int) or abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _table(rows, columns, formats):
+    """(header, rows of cell strings, right-aligned per column) of what show_table shows."""
+    rows = list(rows)
+    if rows and all(isinstance(r, dict) for r in rows):
+        keys = list(columns) if columns is not None else list(dict.fromkeys(k for r in rows
+                                                                             for k in r))
+        values = [[r.get(k) for k in keys] for r in rows]
+    elif columns is None:
+        raise ValueError("rows given as lists need their column names: show_table(rows, columns)")
+    else:
+        keys, values = list(columns), [list(r) for r in rows]
+        if any(len(r) != len(keys) for r in values):
+            raise ValueError(f"each row needs {len(keys)} values, one per column {keys}")
+    formats = formats or {}
+    cells = [[_cell(v, formats.get(k)) for k, v in zip(keys, r, strict=True)] for r in values]
+    right = [bool(col) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                               for v in col if v is not None)
+             for col in zip(*values, strict=True)] if values else [False] * len(keys)
+    return [str(k) for k in keys], cells, right
+
+
+def table_text(rows, columns=None, *, title=None, formats=None, width: int = WIDTH) -> str:
+    """The table of :func:`show_table` as aligned monospace text within ``width`` characters:
+    columns two spaces apart, else one; if still too wide, the widest text columns wrap at
+    spaces (numbers never do)."""
+    header, cells, right = _table(rows, columns, formats)
+    cols = list(zip(header, *cells, strict=True))
+    widths = [max(len(c) for c in col) for col in cols]
+    sep = "  " if sum(widths) + 2 * (len(widths) - 1) <= width else " "
+    # how narrow each column may get: a text column down to its longest word, a number never
+    floor = [w if r else max(len(word) for c in col for word in c.split() or [""])
+             for col, w, r in zip(cols, widths, right, strict=True)]
+    while sum(widths) + len(sep) * (len(widths) - 1) > width:
+        i = max(range(len(widths)), key=lambda j: widths[j] - floor[j])
+        if widths[i] <= floor[i]:
+            break  # only numbers and single words left: the line stays long
+        widths[i] -= 1
+
+    def lines(row):
+        parts = [textwrap.wrap(c, w, break_long_words=False) or [""]
+                 for c, w in zip(row, widths, strict=True)]
+        for k in range(max(len(p) for p in parts)):
+            yield sep.join((p[k] if k < len(p) else "").rjust(w) if r else
+                           (p[k] if k < len(p) else "").ljust(w)
+                           for p, w, r in zip(parts, widths, right, strict=True)).rstrip()
+
+    out = [wrap(title, width)] if title else []
+    return "\n".join(out + [line for row in [header, *cells] for line in lines(row)])
+
+
+def table_html(rows, columns=None, *, title=None, formats=None) -> str:
+    """The same table as HTML: the same cells, numbers right-aligned, every text escaped."""
+    header, cells, right = _table(rows, columns, formats)
+    esc = html.escape
+    pad = "padding:1px 10px"
+
+    def row(values, tag, extra=""):
+        return "<tr>" + "".join(
+            f'<{tag} style="{pad};text-align:{"right" if r else "left"}{extra}">{esc(v)}</{tag}>'
+            for v, r in zip(values, right, strict=True)) + "</tr>"
+
+    caption = (f'<caption style="caption-side:top;text-align:left;font-weight:600;'
+               f'padding:2px 0">{esc(title)}</caption>' if title else "")
+    return (f'<table class="labkit-table" style="border-collapse:collapse;margin:4px 0;'
+            f'font-family:var(--jp-code-font-family,monospace);'
+            f'font-size:var(--jp-code-font-size,13px);font-variant-numeric:tabular-nums">'
+            f'{caption}<thead>{row(header, "th", ";border-bottom:1px solid currentColor")}'
+            f'</thead><tbody>{"".join(row(c, "td") for c in cells)}</tbody></table>')
+
+
+def show_table(rows, columns=None, *, title=None, formats=None) -> None:
+    """Show a table: in a Jupyter kernel as HTML (its text beside it, for logs and nbval),
+    elsewhere (a terminal, a worker, a log) printed as aligned text within :data:`WIDTH`.
+
+    ``rows``: dicts (``columns`` picks and orders their keys; default: every key) or lists
+    (``columns`` names them). ``formats`` maps a column to a format spec (``",.0f"``), a
+    template (``"{:.2f}x"``) or a callable; by default whole numbers get thousands separators
+    and other numbers 4 significant figures. Numbers are right-aligned, ``None`` is blank.
+
+    Example::
+
+        >>> show_table([{"ranks": 2, "bytes": 1048576, "speedup": 1.93}],
+        ...            formats={"speedup": "{:.2f}x"})
+        ranks      bytes  speedup
+            2  1,048,576    1.93x
+    """
+    show(table_text(rows, columns, title=title, formats=formats),
+         table_html(rows, columns, title=title, formats=formats))
