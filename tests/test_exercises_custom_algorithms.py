@@ -296,6 +296,19 @@ def test_topk_error_feedback_reference_passes(solved):
     assert verdict and "nothing lost, only delayed" in verdict.detail
 
 
+def test_topk_error_feedback_by_sorting_passes():
+    """Written another way: the k largest by a sort, the residual as a mask of what stays."""
+    def compress(grad, residual, k):
+        full = grad + residual
+        indices = torch.argsort(full.abs(), descending=True)[:k]
+        keep = torch.ones_like(full, dtype=torch.bool)
+        keep[indices] = False
+        return full[indices], indices, torch.where(keep, full, torch.zeros_like(full))
+
+    verdict = exercise.topk_error_feedback(compress)
+    assert verdict, verdict
+
+
 def test_topk_error_feedback_labkit_agrees_with_the_reference(solved):
     grad, residual = torch.randn(30), torch.randn(30)
     idx, values, left = compression.topk_compress(grad, 4, residual)

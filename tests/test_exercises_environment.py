@@ -156,6 +156,11 @@ def test_busbw_from_algbw_solution_passes(solved):
     assert environment.busbw_from_algbw(solved["my_busbw"])
 
 
+def test_busbw_from_algbw_written_another_way_passes():
+    """The factor as 2 - 2/n, a lookup by nothing but arithmetic: n = 1 still gives 0."""
+    assert environment.busbw_from_algbw(lambda algbw, n: algbw * (2 - 2 / n))
+
+
 @pytest.mark.parametrize("answer, said", [
     (lambda algbw, n: algbw, "the 2(n-1)/n factor is missing"),
     (lambda algbw, n: algbw * (n - 1) / n, "counts the reduce-scatter only"),
@@ -173,6 +178,15 @@ def test_busbw_from_algbw_wrong_factor_gets_its_hint(answer, said):
 
 def test_ring_allreduce_seconds_solution_passes(solved):
     assert environment.ring_allreduce_seconds(solved["my_ring_seconds"])
+
+
+def test_ring_allreduce_seconds_step_by_step_passes():
+    """Each of the 2(n-1) steps added up, in bytes per second: the same time, counted."""
+    def seconds(nbytes, n, alpha_s, bandwidth_GBps):
+        chunk, per_s = nbytes / n, bandwidth_GBps * 1e9
+        return sum(alpha_s + chunk / per_s for _ in range(2 * (n - 1)))
+
+    assert environment.ring_allreduce_seconds(seconds)
 
 
 def right(s, n, a, b):

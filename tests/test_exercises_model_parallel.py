@@ -270,6 +270,18 @@ def test_zero_bytes_per_rank_solution_passes():
     assert verdict, verdict
 
 
+def test_zero_bytes_per_rank_written_as_a_table_passes():
+    """The stages as a table of which parts are sharded, integer division where it divides."""
+    def zero_bytes(n_params, world_size, stage, param_bytes=2, grad_bytes=2, optimizer_bytes=12):
+        sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"),
+                   3: ("optimizer", "grads", "params")}[stage]
+        sizes = {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes}
+        return {part: n_params * size / (world_size if part in sharded else 1)
+                for part, size in sizes.items()}
+
+    assert mp.zero_bytes_per_rank(zero_bytes)
+
+
 def test_zero_bytes_per_rank_wrong_optimizer_not_sharded():
     verdict = mp.zero_bytes_per_rank(_zero({"optimizer": 9, "grads": 2, "params": 3}))
     assert not verdict and "optimizer state not sharded" in verdict.hint

@@ -40,6 +40,23 @@ def test_amp_grad_scaler_step_solution_passes():
     assert "65536 -> 32768" in verdict.detail
 
 
+def test_amp_grad_scaler_step_unscaled_first_passes():
+    """Written another way: torch.amp.autocast, gradients unscaled explicitly before the step
+    (where clipping would go), zero_grad after the update instead of before."""
+    def step(model, opt, scaler, x, y):
+        with torch.amp.autocast(device_type=x.device.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return float(loss)
+
+    verdict = performance.amp_grad_scaler_step(step)
+    assert verdict, verdict
+
+
 def test_amp_grad_scaler_step_wrong_no_autocast():
     def step(model, opt, scaler, x, y):
         opt.zero_grad()
@@ -247,6 +264,25 @@ def test_no_sync_accumulation_solution_passes():
                                                        "no_sync_accumulation"))
     assert verdict, verdict
     assert "1 all-reduce for 4 micro-batches" in verdict.detail
+
+
+def test_no_sync_accumulation_with_a_context_per_micro_batch_passes():
+    """Written another way: one loop, no_sync for all but the last, a null context for it, and
+    the loss averaged by scaling the gradients once at the end."""
+    def step(model, opt, micro_batches):
+        import contextlib
+
+        opt.zero_grad()
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            with model.no_sync() if i < last else contextlib.nullcontext():
+                nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad /= len(micro_batches)
+        opt.step()
+
+    verdict = performance.no_sync_accumulation(step)
+    assert verdict, verdict
 
 
 def test_no_sync_accumulation_wrong_all_reduce_per_micro_batch():
