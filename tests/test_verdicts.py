@@ -224,7 +224,7 @@ PREDICTIONS = {
     ("10_composing_parallelism", "f'bytes per rank under ZeRO-2 on {RANKS} ranks'"): False,
     ("10_composing_parallelism", "'parameter bytes on rank 0'"): False,
     ("10_composing_parallelism", "'interleaved 1F1B bubble, p=4, v=2, m=8'"): False,
-    ("10_composing_parallelism", '"MB one FSDP2 rank sends per step"'): False,
+    ("10_composing_parallelism", "'MB one FSDP2 rank sends per step'"): False,
 }
 
 
