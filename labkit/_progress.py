@@ -265,7 +265,8 @@ class ProgressBars:
         lines, rows = [], []
         if self.header:
             lines.append(self.header)
-            rows.append(f"<tr><td colspan='3'>{html.escape(self.header)}</td></tr>")
+            rows.append(f"<tr><td colspan='3' style='text-align:left'>{html.escape(self.header)}"
+                        "</td></tr>")
         for key in sorted(self.last):
             rank, update = self.last[key]
             name, status = _name(rank, update.get("desc", "")), _status(update)
