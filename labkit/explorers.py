@@ -28,6 +28,7 @@ import functools
 import html
 
 from . import plots
+from ._display import wrap
 
 __all__ = ["augmentation_explorer", "schedule_explorer", "planner_explorer", "Shown"]
 
@@ -43,18 +44,6 @@ def _png(fig) -> bytes:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return buffer.getvalue()
-
-
-WIDTH = 100  # characters of a line an output area shows whole
-
-
-def _fit(text: str) -> str:
-    """``text`` with each line over :data:`WIDTH` characters broken at spaces."""
-    import textwrap
-
-    return "\n".join(textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False,
-                                    subsequent_indent=line[:len(line) - len(line.lstrip())])
-                      if len(line) > WIDTH else line for line in text.split("\n"))
 
 
 class Shown:
@@ -86,8 +75,8 @@ class Shown:
 
     def message(self, text: str, html_text: str | None = None) -> None:
         """Show ``text`` (and ``html_text``, else ``text`` as preformatted HTML); a line over
-        :data:`WIDTH` characters is broken at spaces, as an output area would break it mid-word."""
-        text = _fit(text)
+        100 characters is broken at spaces, as an output area would break it mid-word."""
+        text = wrap(text, indent="")
         self._set({"text/plain": text,
                    "text/html": html_text if html_text is not None else
                    f"<pre>{html.escape(text)}</pre>"})

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._display import hang, wrap
+from ._display import hang, table_text, wrap
 from ._dist import collective_device, time_steps
 from ._sizes import divisors, whole
 from .bench import bus_bandwidth
@@ -915,11 +915,6 @@ def result_row(technique: str, before: float, after: float, unit: str, *,
             "speedup": speedup, "note": note}
 
 
-def _fmt(value: float) -> str:
-    """Four significant figures, thousands apart: 40872 -> '40,872', 0.01234 -> '0.01234'."""
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-
-
 def results_table(rows: list[dict]) -> str:
     """The rows of :func:`result_row` as one aligned text table (print it).
 
@@ -935,14 +930,5 @@ def results_table(rows: list[dict]) -> str:
     if missing:
         raise ValueError(f"rows lack {missing}: build them with result_row(technique, before, "
                          f"after, unit)")
-    cells = [[r["technique"], _fmt(r["before"]), _fmt(r["after"]), r["unit"],
-              f"{r['speedup']:.2f}x", r["note"]] for r in rows]
-    header = ["technique", "before", "after", "unit", "speedup", "note"]
-    widths = [max(len(str(c[i])) for c in [header, *cells]) for i in range(len(header))]
-    right = (False, True, True, False, True, False)
-
-    def line(cols):
-        return "  ".join(str(c).rjust(w) if r else str(c).ljust(w)
-                         for c, w, r in zip(cols, widths, right, strict=True)).rstrip()
-
-    return "\n".join([line(header), *(line(c) for c in cells)])
+    # The same table labkit.show_table shows (numbers right-aligned, 4 significant figures).
+    return table_text(rows, list(_ROW_KEYS), formats={"speedup": "{:.2f}x"})
