@@ -251,6 +251,9 @@ def torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
 # dead controller no longer can. Runs torchrun in this same process (no extra interpreter).
 # SIGTERM ends it at once as Python's default would, but removes the run folder first when the
 # controller is gone (from the first line on: a kernel killed while its pool starts leaves none).
+# Gone: the agent was re-parented, or its parent is already a zombie. The death signal can be
+# handled before getppid() shows the new parent; the folder was then left behind (seen under
+# load), and the ranks, killed with the agent, could not remove it either.
 # torchrun is told not to take SIGTERM over (TORCHELASTIC_SIGNALS_TO_HANDLE, read by its
 # PContext.start): its graceful shutdown could be cut short by a rank watchdog's second SIGTERM
 # before the folder is removed. The ranks end by themselves (watchdog, FIFO end) or by the
@@ -260,8 +263,14 @@ def torchrun_command(run_dir: Path, nproc: int, nnodes: int, node_rank: int,
 _AGENT_BOOT = (
     "import os,sys,signal,shutil,subprocess\n"
     "parent, run_dir = int(sys.argv[1]), sys.argv[-1]\n"
+    "def orphaned():\n"
+    "    if os.getppid() != parent: return True\n"
+    "    try:\n"
+    "        with open('/proc/%d/stat' % parent) as f: state = f.read().rsplit(')', 1)[1]\n"
+    "        return state.split()[0] in 'ZX'\n"
+    "    except OSError: return not os.path.isdir('/proc/self')\n"
     "def stop(*_):\n"
-    "    if os.getppid() != parent: shutil.rmtree(run_dir, ignore_errors=True)\n"
+    "    if orphaned(): shutil.rmtree(run_dir, ignore_errors=True)\n"
     "    os._exit(128 + signal.SIGTERM)\n"
     "signal.signal(signal.SIGTERM, stop)\n"
     "os.environ['TORCHELASTIC_SIGNALS_TO_HANDLE'] = 'SIGINT,SIGHUP,SIGQUIT'\n"
@@ -287,7 +296,7 @@ _AGENT_BOOT = (
     "    import runpy\n"
     "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
     "finally:\n"
-    "    if os.getppid() != parent:\n"
+    "    if orphaned():\n"
     "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "        shutil.rmtree(run_dir, ignore_errors=True)\n"
 )
