@@ -374,7 +374,11 @@ def test_a_skipped_allreduce_hangs_and_the_stacks_and_flight_recorder_show_where
     assert "in barrier" in err.stacks[0]
     records = diagnose.collectives_in_log(err.logs, "flight recorder")
     assert [r["seq"] for r in records[1]] == [1, 2, 3, 4]
-    assert [r["completed"] for r in records[1]] == [True, True, True, False]
+    # The stuck all-reduce never completes. gloo marks the earlier ones complete through the
+    # group's counter, which a loaded machine may not have advanced yet when the dump is taken:
+    # only the order is certain (nothing completed after something that did not).
+    completed = [r["completed"] for r in records[1]]
+    assert completed[-1] is False and completed == sorted(completed, reverse=True)
     assert diagnose.first_mismatch(records) == {
         "seq": 4, "ops": {0: "gloo:barrier", 1: "gloo:all_reduce [[4]]"}}
     assert not labkit.stray_workers()
