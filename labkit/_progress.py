@@ -273,8 +273,10 @@ class ProgressBars:
             total, n = update.get("total"), update["n"]
             lines.append(f"{name}: {status}")
             most = max(total or n, 1)
+            colour = _COLOURS[_style(update)]
             rows.append(f"<tr><td>{html.escape(name)}</td><td><progress value='{min(n, most)}' "
-                        f"max='{most}'></progress></td><td>{html.escape(status)}</td></tr>")
+                        f"max='{most}' style='accent-color: {colour}'></progress></td>"
+                        f"<td>{html.escape(status)}</td></tr>")
         return {"text/plain": "\n".join(lines) or "(no progress reported)",
                 "text/html": "<table>" + "".join(rows) + "</table>"}
 
@@ -364,6 +366,12 @@ def _name(rank: int | None, desc: str) -> str:
     if rank is None:
         return desc or "progress"
     return f"rank {rank}" + (f" {desc}" if desc else "")
+
+
+# The saved bars take the colours the live ones ended with: JupyterLab's theme variables that
+# ipywidgets' bar styles use, with their light-theme values where no JupyterLab theme is loaded.
+_COLOURS = {"": "var(--jp-brand-color1, #1976d2)", "success": "var(--jp-success-color1, #388e3c)",
+            "warning": "var(--jp-warn-color1, #f57c00)"}
 
 
 def _style(update: dict) -> str:

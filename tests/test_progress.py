@@ -144,6 +144,7 @@ def test_widget_bars_end_as_a_static_summary_that_a_saved_notebook_keeps(display
     bars = ProgressBars(widgets=True)
     bars.update(0, {"id": 0, "n": 10, "total": 40, "desc": "train", "elapsed": 2.0})
     bars.update(1, {"id": 0, "n": 40, "total": 40, "desc": "train", "elapsed": 4.0, "done": True})
+    bars.update(2, {"id": 0, "n": 5, "total": 40, "desc": "train", "elapsed": 1.0, "done": True})
     [(live, handle)] = displayed
     assert "application/vnd.jupyter.widget-view+json" in live
     assert "VBox" not in live["text/plain"] and "progress" in live["text/plain"]
@@ -151,8 +152,14 @@ def test_widget_bars_end_as_a_static_summary_that_a_saved_notebook_keeps(display
     summary = handle.data
     assert summary["text/plain"].splitlines() == [
         "rank 0 train: 10/40 (25%) 2.0 s, 5.0 it/s",
-        "rank 1 train: 40/40 (100%) in 4.0 s, 10.0 it/s"]
-    assert "<progress value='10' max='40'>" in summary["text/html"]
+        "rank 1 train: 40/40 (100%) in 4.0 s, 10.0 it/s",
+        "rank 2 train: 5/40 (12%) stopped early in 1.0 s, 5.0 it/s"]
+    # The saved bars keep the live ones' colours: blue while running, green once done, orange
+    # for a loop left early.
+    html = summary["text/html"]
+    assert "<progress value='10' max='40' style='accent-color: var(--jp-brand-color1" in html
+    assert "<progress value='40' max='40' style='accent-color: var(--jp-success-color1" in html
+    assert "<progress value='5' max='40' style='accent-color: var(--jp-warn-color1" in html
     assert "application/vnd.jupyter.widget-view+json" not in summary, "no widget left to need"
     assert bars.box.comm is None, "the widgets are closed: a saved notebook keeps none of them"
     bars.finish()
