@@ -77,6 +77,7 @@ _LAZY = {
     "progress": "._progress",
     "show": ".source",  # the source of what a notebook teaches
     "show_table": "._display",  # a table: HTML in Jupyter, aligned text within 100 elsewhere
+    "quiet_startup": "._display",  # a framework imported without its C++ INFO start-up lines
 }
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",

@@ -9,14 +9,22 @@ the plain text it always was: the same display carries that text as ``text/plain
 what logs, ``nbval`` and a terminal read. A rank's process and a DataLoader worker are not the
 kernel: they print.
 
+A framework's native start-up lines (TensorFlow's C++ INFO records, written before its logging
+is set up) are held back by :func:`quiet_startup` (``labkit.quiet_startup``), warnings kept.
+
 A table (:func:`show_table`, ``labkit.show_table``) shows the same way: an HTML table in the
 kernel, and the same cells as aligned text, within :data:`WIDTH`, everywhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
+import io
+import os
+import re
 import sys
+import tempfile
 import textwrap
 
 WIDTH = 100
@@ -226,3 +234,72 @@ def show_table(rows, columns=None, *, title=None, formats=None) -> None:
     """
     show(table_text(rows, columns, title=title, formats=formats),
          table_html(rows, columns, title=title, formats=formats))
+
+
+# A native library's log record, absl's and glog's "I0000 00:00:1796471032.925778  24127 x.cc:9]"
+# (severity letter, then date and time). Lines after one that carry no such prefix continue it.
+_NATIVE_RECORD = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+_BEFORE_INIT = "WARNING: All log messages before absl::InitializeLog() is called are written to"
+
+
+def is_native_info(line: str) -> bool:
+    """``line`` is one native INFO record, or absl's notice that its logging is not set up yet."""
+    if line.startswith(_BEFORE_INIT):
+        return True
+    return line.startswith("I") and bool(_NATIVE_RECORD.match(line))
+
+
+def drop_native_info(text: str) -> str:
+    """``text`` without the INFO records of native (absl, glog) logging and absl's notice that
+    logging is not initialised yet; warnings, errors and anything else are kept whole."""
+    kept, dropping = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith(_BEFORE_INIT):
+            dropping = True
+        elif _NATIVE_RECORD.match(line):
+            dropping = line.startswith("I")
+        if not dropping:
+            kept.append(line)
+    return "".join(kept)
+
+
+@contextlib.contextmanager
+def quiet_startup():
+    """Import a framework without its C++ start-up chatter: TensorFlow logs INFO lines (oneDNN,
+    CUDA drivers, CPU instructions) before its logging is set up, where ``TF_CPP_MIN_LOG_LEVEL``
+    does not reach them. What native code writes to the process's stderr in the block is held
+    back and written after it, less those INFO records: a warning or an error still shows.
+    Python's own stderr (warnings, tracebacks) is not held: it goes out as it comes."""
+    sys.stderr.flush()
+    held = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    # Outside a kernel, Python's sys.stderr is file descriptor 2 too: give it a copy of the real
+    # one, so that a Python line is never taken for the continuation of a native record.
+    # (A kernel's sys.stderr is its own stream, not descriptor 2.)
+    direct = isinstance(sys.stderr, io.TextIOWrapper) and _fd(sys.stderr) == 2
+    if direct:
+        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb"), write_through=True,
+                                      encoding=python_stderr.encoding, errors="backslashreplace")
+    os.dup2(held.fileno(), 2)
+    try:
+        yield
+    finally:
+        if direct:
+            sys.stderr.close()
+            sys.stderr = python_stderr
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        rest = drop_native_info(held.read().decode(errors="replace"))
+        held.close()
+        if rest:
+            sys.stderr.write(rest)
+            sys.stderr.flush()
+
+
+def _fd(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        return None

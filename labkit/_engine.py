@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from ._display import is_native_info
 from ._failures import (
     LaunchTimeout,
     await_exits,
@@ -131,7 +132,7 @@ def supervise(run: Run, job: Job, nproc: int, timeout, show_ranks, command,
     whatever the ranks do to their group, their output or their descriptors, a timeout fires.
     """
     __tracebackhide__ = True
-    out = _Output(show_ranks)
+    out = _Output(show_ranks, quiet_native_info=job.framework == "tensorflow")
     watch = _Watch(run, job, nproc, timeout, task, max_restarts)
     keep = []  # a warm run that went well leaves its ranks running for the next
     # A cold run, or warm workers' first start, takes seconds before the function runs
@@ -371,7 +372,10 @@ class _Output:
     """A run's output as it arrives: each rank's lines kept, shown (a batch at a time) unless
     filtered, progress lines drawn as bars, pieces of long lines joined again."""
 
-    def __init__(self, show_ranks):
+    def __init__(self, show_ranks, quiet_native_info: bool = False):
+        # TensorFlow's ranks log native INFO lines (oneDNN, CUDA drivers) before its logging is
+        # set up, past TF_CPP_MIN_LOG_LEVEL: kept in result.logs, not shown.
+        self.quiet_native_info = quiet_native_info
         self.show = None if show_ranks is None else (
             {show_ranks} if isinstance(show_ranks, int) else set(show_ranks))
         if self.show:  # an empty filter asks for silence: nothing to announce
@@ -394,7 +398,8 @@ class _Output:
             if head in self.pieces:
                 line = f"{head}] {''.join(self.pieces.pop(head))}{text}"
         shown = _sort_line(line, self.logs, self.agent_log, self.show, self.bars)
-        if shown is not None:
+        if shown is not None and not (self.quiet_native_info
+                                      and is_native_info(shown.partition("] ")[2])):
             self.shown.append(shown)
 
     def flush(self, partial: bool = False) -> None:

@@ -13,13 +13,26 @@ neither does a traceback (Python's to format), nor a library's log record or war
 text is theirs, as are the frames of a printed traceback or stack (``File "...", line 7``). A
 warning raised at a line of labkit counts: labkit can fix it. A progress line rewritten with
 ``\\r`` counts as the text left on screen. ANSI colour codes take no room.
+
+A cell also fails when a native library's INFO record reaches the learner (TensorFlow's start-up
+lines about oneDNN or CUDA drivers, written before its logging is set up, in the kernel or from
+a rank): noise the learner would have to learn to ignore. ``labkit.quiet_startup()`` holds them
+back in the kernel; a TensorFlow run's controller does not show them.
+
+ipykernel forwards what native code writes to file descriptors 1 and 2 (TensorFlow's C++ log,
+a library's warning) into the cell's output, as JupyterLab shows it, except in a kernel whose
+environment has ``PYTEST_CURRENT_TEST``, as every kernel nbval starts does. The plugin starts
+nbval's kernels without it, so the checks read what the learner reads.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
+
+from labkit._display import is_native_info
 
 MAX = 100
 # A display with one of these is shown as that, not as its text/plain.
@@ -31,8 +44,28 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _LOG_RECORD = re.compile(r"(\[rank\d+\]:? ?)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
 # A traceback's or a stack dump's frame, printed (a rank's failure, a hang's stacks): the path
 # is the installation's
+_RANK = re.compile(r"^\[rank\d+\]:? ?")
 _FRAME = re.compile(r'\s*File "[^"]+", line \d+')
 _WARNING = re.compile(r"(?P<file>\S+\.py):\d+: \w*Warning: ")
+
+
+def pytest_configure(config):
+    import nbval.kernel
+
+    start = nbval.kernel.RunningKernel.__init__
+    if getattr(start, "_labkit_fd_output", False):
+        return
+
+    def start_with_fd_output(self, *args, **kwargs):
+        hidden = os.environ.pop("PYTEST_CURRENT_TEST", None)
+        try:
+            start(self, *args, **kwargs)
+        finally:
+            if hidden is not None:
+                os.environ["PYTEST_CURRENT_TEST"] = hidden
+
+    start_with_fd_output._labkit_fd_output = True
+    nbval.kernel.RunningKernel.__init__ = start_with_fd_output
 
 
 def _theirs(line: str) -> bool:
@@ -66,6 +99,19 @@ def shown_lines(outputs) -> list[str]:
     return lines
 
 
+def native_info(outputs) -> list[str]:
+    """The stream lines of ``outputs`` that are a native INFO record (a rank's prefix aside)."""
+    found = []
+    for out in outputs or ():
+        if out.get("output_type") == "stream":
+            text = out.get("text", "")
+            for line in ("".join(text) if isinstance(text, list) else text).split("\n"):
+                bare = _RANK.sub("", _ANSI.sub("", line), count=1)
+                if is_native_info(bare):
+                    found.append(line)
+    return found
+
+
 def too_long(outputs, limit: int = MAX) -> list[tuple[int, str]]:
     """``(length, line)`` of each shown line over ``limit`` characters."""
     return [(len(line), line) for line in shown_lines(outputs) if len(line) > limit]
@@ -78,7 +124,15 @@ def pytest_runtest_makereport(item, call):
     if call.when != "call" or not report.passed or not item.nodeid.split("::")[0].endswith(
             ".ipynb"):
         return
-    long = too_long(getattr(item, "test_outputs", None))
+    outputs = getattr(item, "test_outputs", None)
+    chatter = native_info(outputs)
+    if chatter:
+        report.outcome = "failed"
+        report.longrepr = (f"this cell showed {len(chatter)} native INFO log line(s), start-up "
+                           "noise the learner need not read; import the framework inside "
+                           "`with labkit.quiet_startup():`:\n  " + "\n  ".join(chatter[:5]))
+        return
+    long = too_long(outputs)
     if long:
         report.outcome = "failed"
         shown = "\n".join(f"  {n} characters: {line[:160]}{'...' if n > 160 else ''}"

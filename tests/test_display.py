@@ -1,8 +1,12 @@
-"""labkit.show_table: one table, HTML in a Jupyter kernel and the same cells as text elsewhere."""
+"""labkit.show_table: one table, HTML in a Jupyter kernel and the same cells as text elsewhere;
+labkit.quiet_startup: a framework imported without its native INFO start-up lines."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import textwrap
 from html.parser import HTMLParser
 
 import pytest
@@ -125,3 +129,86 @@ def test_rows_as_lists_need_their_columns():
         table_text([[1, 2]])
     with pytest.raises(ValueError, match="each row needs 2 values"):
         table_text([[1, 2, 3]], ["a", "b"])
+
+
+# ---- a framework's native start-up lines ------------------------------------------------------
+
+TF_START_UP = """\
+WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+I0000 00:00:1796471032.925778   24127 port.cc:153] oneDNN custom operations are on.
+I0000 00:00:1796471033.268191   24127 cpu_feature_guard.cc:227] This TensorFlow binary is optimized.
+To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow.
+W0000 00:00:1796471033.300000   24127 gpu_device.cc:2] Cannot dlopen GPU libraries.
+a line of the learner's own
+E1205 11:40:00.000001   24127 main.cc:9] something failed
+  its second line
+I1205 11:40:00.000002   24127 main.cc:9] more chatter
+"""
+
+
+def test_native_info_records_are_dropped_with_their_continuation_lines_and_the_rest_kept():
+    assert _display.drop_native_info(TF_START_UP) == (
+        "W0000 00:00:1796471033.300000   24127 gpu_device.cc:2] Cannot dlopen GPU libraries.\n"
+        "a line of the learner's own\n"
+        "E1205 11:40:00.000001   24127 main.cc:9] something failed\n"
+        "  its second line\n")
+    assert _display.drop_native_info("no record here\n") == "no record here\n"
+    assert _display.drop_native_info("") == ""
+
+
+def test_quiet_startup_holds_back_the_native_info_lines_and_writes_the_rest_after(tmp_path):
+    # A child process, as a kernel is: the lines go to file descriptor 2, below Python.
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        import labkit
+        with labkit.quiet_startup():
+            os.write(2, {TF_START_UP.encode()!r})
+            print("python's own warning", file=sys.stderr)
+        os.write(2, b"I0000 00:00:1.0 1 after.cc:1] after the block, untouched\\n")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stderr.splitlines() == [
+        "python's own warning",  # at once: a Python line is never held back
+        "W0000 00:00:1796471033.300000   24127 gpu_device.cc:2] Cannot dlopen GPU libraries.",
+        "a line of the learner's own",
+        "E1205 11:40:00.000001   24127 main.cc:9] something failed",
+        "  its second line",
+        "I0000 00:00:1.0 1 after.cc:1] after the block, untouched"]
+
+
+def test_quiet_startup_restores_stderr_when_the_block_raises(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import labkit
+        try:
+            with labkit.quiet_startup():
+                os.write(2, b"E0000 00:00:1.0 1 x.cc:1] kept\\n")
+                raise ImportError("no such framework")
+        except ImportError as exc:
+            os.write(2, f"then: {exc}\\n".encode())
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stderr.splitlines() == ["E0000 00:00:1.0 1 x.cc:1] kept",
+                                        "then: no such framework"]
+
+
+def test_a_tensorflow_runs_native_info_lines_are_kept_in_its_logs_but_not_shown(capsys):
+    from labkit._engine import _Output
+
+    lines = ["[rank0] " + _display._BEFORE_INIT + " STDERR",
+             "[rank0] I0000 00:00:1796471032.925778   24127 port.cc:153] oneDNN custom operations",
+             "[rank1] W0000 00:00:1796471033.300000   24127 gpu_device.cc:2] Cannot dlopen GPU",
+             "[rank1] epoch 1: loss 0.5"]
+    for quiet in (True, False):
+        out = _Output(None, quiet_native_info=quiet)
+        for line in lines:
+            out.route(line)
+        out.flush()
+        assert out.logs == {0: [line.partition("] ")[2] for line in lines[:2]],
+                            1: [line.partition("] ")[2] for line in lines[2:]]}
+        shown = capsys.readouterr().out.splitlines()
+        assert shown == (lines[2:] if quiet else lines), "a torch run shows every line"

@@ -38,18 +38,32 @@ def test_only_the_text_a_learner_reads_counts():
                                                  + "v" * 80)]
 
 
-def test_a_cell_printing_150_characters_fails_one_printing_90_passes(tmp_path):
+def test_a_cell_printing_150_characters_or_native_info_fails_one_printing_90_passes(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("print('a' * 90)"),
         nbformat.v4.new_code_cell("print('fits')\nprint('b' * 150)"),
-        nbformat.v4.new_code_cell("'c' * 95")])
+        nbformat.v4.new_code_cell("'c' * 95"),
+        # A native INFO record shown, in the kernel's stderr and from a rank: fails.
+        nbformat.v4.new_code_cell(
+            "import sys\n"
+            "print('I0000 00:00:1796471032.925778  24127 port.cc:153] oneDNN', file=sys.stderr)\n"
+            "print('[rank1] I0000 00:00:1796471032.925778  24127 cudart_stub.cc:31] no CUDA')\n"
+            "print('W0000 00:00:1796471032.925778  24127 x.cc:1] a warning', file=sys.stderr)"),
+        # Held back by quiet_startup: passes.
+        nbformat.v4.new_code_cell(
+            "import os\nimport labkit\nwith labkit.quiet_startup():\n"
+            "    os.write(2, b'I0000 00:00:1796471032.925778  24127 port.cc:153] oneDNN\\n')\n"
+            "print('imported')")])
     nbformat.write(nb, tmp_path / "99_lines.ipynb")
     cmd = [sys.executable, "-m", "pytest", "-p", "tests.notebook_lines", "--nbval-lax",
            "--nbval-current-env", "-p", "no:cacheprovider", "-rf", str(tmp_path / "99_lines.ipynb")]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout
-    assert "1 failed, 2 passed" in run.stdout, run.stdout
+    assert "2 failed, 3 passed" in run.stdout, run.stdout
     assert "99_lines.ipynb::Cell 1" in run.stdout
+    assert "99_lines.ipynb::Cell 3" in run.stdout and "Cell 4" not in run.stdout
+    assert "this cell showed 2 native INFO log line(s)" in run.stdout
+    assert "[rank1] I0000 00:00:1796471032.925778  24127 cudart_stub.cc:31] no CUDA" in run.stdout
     assert "1 line(s) over 100 characters" in run.stdout
     assert f"150 characters: {'b' * 150}" in run.stdout
