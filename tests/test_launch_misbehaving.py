@@ -29,6 +29,10 @@ WARM_AND_COLD = pytest.mark.parametrize("warm", [False, True], ids=["cold", "war
 # Seconds a run may take beyond its timeout: a cold one starts torchrun and torch first (on a
 # busy 2-core machine, a minute or more), a warm one only asks for stacks and stops its ranks.
 START_UP = {False: 120, True: 30}
+# Runs in a row where state could carry from one to the next: warm ranks keep their process, so
+# the second run is where a leftover shows; a cold run is new processes every time, so one round
+# checks that it behaves, and a second (seconds of CPU for torchrun and torch) checks nothing more.
+REPEATS = {False: 1, True: 2}
 
 
 @pytest.fixture(autouse=True)
@@ -263,10 +267,9 @@ def test_a_run_whose_every_rank_calls_os_exit_0_is_no_success(warm):
 @WARM_AND_COLD
 @pytest.mark.timeout(400)
 def test_an_unmatched_isend_does_not_break_the_next_run(warm):
-    assert launch(unmatched_isend, nproc=2, timeout=20, warm=warm).values == [0, 1]
-    assert launch(total, nproc=2, timeout=20, warm=warm).values == [3, 3]
-    assert launch(unmatched_isend, nproc=2, timeout=20, warm=warm).values == [0, 1]
-    assert launch(total, nproc=2, timeout=20, warm=warm).values == [3, 3]
+    for _ in range(REPEATS[warm]):
+        assert launch(unmatched_isend, nproc=2, timeout=20, warm=warm).values == [0, 1]
+        assert launch(total, nproc=2, timeout=20, warm=warm).values == [3, 3]
     no_run_left()
 
 
@@ -326,7 +329,7 @@ def test_process_wide_settings_a_run_changes_do_not_reach_the_next(warm):
 @WARM_AND_COLD
 @pytest.mark.timeout(400)
 def test_a_run_may_set_the_inter_op_threads_however_many_runs_before_did(warm, capsys):
-    for n in (3, 2):
+    for n in (3, 2)[:REPEATS[warm]]:
         assert launch(set_interop_threads, n, nproc=2, warm=warm).values == [n, n]
     if warm:
         assert ("stopped after the last run set the number of inter-op threads"
@@ -337,7 +340,7 @@ def test_a_run_may_set_the_inter_op_threads_however_many_runs_before_did(warm, c
 @WARM_AND_COLD
 @pytest.mark.timeout(600)
 def test_runs_that_form_their_own_group_leave_the_next_runs_whole(warm):
-    for _ in range(3):
+    for _ in range(3 if warm else REPEATS[warm]):  # warm: a leftover group may show late
         assert launch(form_own_group, nproc=2, timeout=30, warm=warm).values == [2.0, 2.0]
         assert launch(total, nproc=2, timeout=30, warm=warm).values == [3, 3]
     no_run_left()
