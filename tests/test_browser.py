@@ -562,6 +562,12 @@ def test_progress_bars_leave_their_summary_in_a_saved_notebook(browser, lab):
         assert_no_widget_errors(reopened, name)
         assert shown(reopened, 0) == summary
         assert reopened.locator(".jp-OutputArea-output progress").count() == 2
+        # Green, as the live bars ended (JupyterLab's success colour), not the browser's blue.
+        colours = reopened.locator(".jp-OutputArea-output progress").evaluate_all(
+            "bars => bars.map(b => getComputedStyle(b).accentColor)")
+        rgb = [tuple(map(int, re.findall(r"\d+", c)[:3])) for c in colours]
+        assert len(rgb) == 2 and all(len(c) == 3 and c[1] > c[0] and c[1] > c[2]
+                                     for c in rgb), colours
         assert_lines_fit(reopened, saved, name)
         screenshot(reopened, reopened.locator(".jp-OutputArea").first, "progress_reopened")
     finally:
