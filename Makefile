@@ -43,9 +43,7 @@ $(STAMP):
 	@echo ">> installing labkit into $(VENV) (first run, or pyproject/constraints changed)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --constraint constraints.txt pip
-	@# --no-compile: pip would byte-compile every module of torch and TensorFlow (about a third
-	@# of the install's time); Python compiles the ones a process imports, once, on first use.
-	$(PY) -m pip install --quiet --no-compile --constraint constraints.txt --editable ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable ".[$(EXTRAS)]"
 	@rm -f $(VENV)/.labkit-installed-*
 	@touch $@
 	@echo ">> $(VENV) ready"
