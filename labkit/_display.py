@@ -254,10 +254,8 @@ def drop_native_info(text: str) -> str:
     logging is not initialised yet; warnings, errors and anything else are kept whole."""
     kept, dropping = [], False
     for line in text.splitlines(keepends=True):
-        if line.startswith(_BEFORE_INIT):
-            dropping = True
-        elif _NATIVE_RECORD.match(line):
-            dropping = line.startswith("I")
+        if line.startswith(_BEFORE_INIT) or _NATIVE_RECORD.match(line):  # a record begins
+            dropping = is_native_info(line)
         if not dropping:
             kept.append(line)
     return "".join(kept)

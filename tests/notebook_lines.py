@@ -39,12 +39,13 @@ MAX = 100
 _RICHER = ("text/html", "text/markdown", "text/latex", "image/png", "image/jpeg", "image/svg+xml",
            "application/javascript")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# A rank's prefix on its lines, as the controller prints them ("[rank0] ", torch's "[rank0]:")
+_RANK = r"\[rank\d+\]:? ?"
 # glog's format, which torch and TensorFlow log in, as a rank's output shows it too
 # ("[rank0]:[E1202 15:42:14 ...", "[rank0] I0000 00:00:1796227092 ...")
-_LOG_RECORD = re.compile(r"(\[rank\d+\]:? ?)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
+_LOG_RECORD = re.compile(rf"({_RANK})?\[?[IWEF]\d{{4}} \d\d:\d\d:\d\d")
 # A traceback's or a stack dump's frame, printed (a rank's failure, a hang's stacks): the path
 # is the installation's
-_RANK = re.compile(r"^\[rank\d+\]:? ?")
 _FRAME = re.compile(r'\s*File "[^"]+", line \d+')
 _WARNING = re.compile(r"(?P<file>\S+\.py):\d+: \w*Warning: ")
 
@@ -106,7 +107,7 @@ def native_info(outputs) -> list[str]:
         if out.get("output_type") == "stream":
             text = out.get("text", "")
             for line in ("".join(text) if isinstance(text, list) else text).split("\n"):
-                bare = _RANK.sub("", _ANSI.sub("", line), count=1)
+                bare = re.sub(f"^{_RANK}", "", _ANSI.sub("", line), count=1)
                 if is_native_info(bare):
                     found.append(line)
     return found
