@@ -26,6 +26,7 @@ CONTROLLER_START = "LABKIT_CONTROLLER_START"
 STACK_SIGNAL = signal.SIGUSR1  # a rank dumps every thread's Python stack on this signal
 RUN_PREFIX = "labkit-run-"  # run folders are tempfile.mkdtemp(prefix=RUN_PREFIX)
 JOB_FILE = "job.pkl"
+TEMP_DIR = "tmp"  # a TensorFlow rank's temporary files, removed with the run folder
 
 # What the controller writes into a warm rank's FIFO: one byte per order.
 RUN_TASK = b"r"  # task-<n>.pkl is ready, n one more than the last

@@ -17,6 +17,7 @@ import select
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -28,6 +29,7 @@ from ._protocol import (
     JOB_FILE,
     RUN_TASK,
     STACK_SIGNAL,
+    TEMP_DIR,
     Job,
     Task,
     end_of_task,
@@ -265,11 +267,18 @@ def _init_torch(job: Job, device, namespace: str = "", init=None):
 _STORE = None  # the rendezvous store under this attempt's prefix, once the group is formed
 
 
-def _tf_config(job: Job, rank: int) -> None:
+def _tf_config(job: Job, rank: int, run_dir: str) -> None:
     workers = [f"127.0.0.1:{port}" for port in job.tf_ports]
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
     )
+    # AutoGraph writes each converted function to a file in the temporary folder and removes it
+    # at exit: a rank that is killed (a fault injected, torchrun stopping the others) leaves
+    # those files in /tmp for good. In the run folder they go with it.
+    temp = os.path.join(run_dir, TEMP_DIR)
+    os.makedirs(temp, exist_ok=True)
+    os.environ["TMPDIR"] = temp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
 def _wait_for_peers(world_size: int) -> None:
@@ -349,7 +358,7 @@ def _main_body(run_dir, rank, local_rank, world_size, cloudpickle, output: int) 
         job = _load_job(os.path.join(run_dir, JOB_FILE), cloudpickle)
         device = _bind_device(job, local_rank)
         if job.framework == "tensorflow":
-            _tf_config(job, rank)
+            _tf_config(job, rank, run_dir)
         elif job.mode != "script":
             dist = _init_torch(job, device)
         if job.mode == "serve":

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 
 import cloudpickle
 import numpy as np
@@ -93,8 +94,11 @@ def worker(folder):
     reference = fit(strategy, EPOCHS)  # the same training, uninterrupted, in the same processes
     # Last: a failed Keras 3 fit may leave the workers' collectives out of step with each other.
     keras3 = keras3_fit_error(strategy)
+    temp = tempfile.gettempdir()
     return {"attempt": attempt, "tf_keras": tf.keras.__name__, "keras3_error": keras3,
-            "resumed": resumed, "reference": reference, "torch_imported": "torch" in sys.modules}
+            "resumed": resumed, "reference": reference, "torch_imported": "torch" in sys.modules,
+            "temp": temp, "autograph_files": sorted(
+                n for n in os.listdir(temp) if n.startswith("__autograph_generated_file"))}
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +155,14 @@ def test_restart_reuses_the_tf_config_ports(run):
                          for a in (0, 1))
         assert first == second and first["task"]["index"] == rank
     assert len(set(first["cluster"]["worker"])) == 2
+
+
+@pytest.mark.slow
+def test_autograph_files_stay_in_the_run_folder_and_go_with_it(run):
+    # AutoGraph removes its files at exit; the killed worker never got there. Its files and the
+    # others' were written in the run folder, which the launch removed.
+    values, folder = run
+    temps = {v["temp"] for v in values}
+    assert len(temps) == 1 and "labkit-run-" in temps.pop().replace(os.sep, "/")
+    assert all(v["autograph_files"] for v in values), "fit converts functions with AutoGraph"
+    assert not os.path.exists(values[0]["temp"])
