@@ -88,13 +88,17 @@ def _capstone_splits(image_size: int, train_per_class: int | None):
     return train, val, held_out
 
 
+_TEMPORARY_FOLDERS: list = []  # capstone_task's default folders: each removes itself at exit
+
+
 def capstone_task(*, image_size: int = 16, epochs: int = 6, base_lr: float = 0.05,
                   base_batch: int = 32, warmup_epochs: int = 1, train_per_class: int | None = None,
                   checkpoint=None, seed: int = 0) -> CapstoneTask:
     """The capstone's task: the learner's share of the digits and the single-process settings.
 
     ``train_per_class`` keeps that many training images per class (smaller, faster runs).
-    ``checkpoint`` defaults to a file in a fresh temporary folder.
+    ``checkpoint`` defaults to a file in a fresh temporary folder, removed when the process
+    exits.
 
     Example::
 
@@ -114,7 +118,11 @@ def capstone_task(*, image_size: int = 16, epochs: int = 6, base_lr: float = 0.0
         raise ValueError(f"warmup_epochs must lie in 0..{epochs - 1}, got {warmup_epochs!r}")
     train, val, _ = _capstone_splits(image_size, train_per_class)
     if checkpoint is None:
-        checkpoint = Path(tempfile.mkdtemp(prefix="labkit-capstone-")) / "checkpoint.pt"
+        # Removed when this process exits (notebook 08 removes it at its end): a learner who
+        # stops half-way does not leave a folder in /tmp per run.
+        folder = tempfile.TemporaryDirectory(prefix="labkit-capstone-")
+        _TEMPORARY_FOLDERS.append(folder)
+        checkpoint = Path(folder.name) / "checkpoint.pt"
     return CapstoneTask(train, val, image_size, epochs, float(base_lr), base_batch,
                         warmup_epochs, str(checkpoint), seed)
 

@@ -12,7 +12,9 @@ notebook runs:
 - every cell that reads a name those define or change, and so on down the notebook (a later
   cell that trains with the learner's function, or uses ``v`` from ``v = exercise.x(my_x)``);
 - for each of these, the latest earlier cell that defines each name it reads, and the cells in
-  between that change that object (``model.fit(...)``, ``rows[0] = ...``), recursively.
+  between that change that object (``model.fit(...)``, ``rows[0] = ...``), recursively;
+- the course notebook's closing cell (no worker left behind; it removes the temporary folders
+  the notebook made) when the cells it needs run anyway.
 
 The other cells are deselected (pytest lists them as such): the course run ran the same code
 on the same inputs. A solution notebook whose course twin is not part of the run runs whole.
@@ -26,6 +28,9 @@ import symtable
 from pathlib import Path
 
 SOLUTION_SUFFIX = "_solution"
+# What a notebook's closing cell calls: the check that no worker outlived its run (05 wraps it
+# in a helper of its own), or the removal of a temporary folder.
+CLOSING_CHECKS = ("stray_workers(", "no_strays(", "rmtree(", ".cleanup()")
 
 
 class CellNames:
@@ -157,7 +162,22 @@ def cells_to_run(sources: list[str], course_sources: list[str]) -> set[int]:
             needed = _latest_definition_and_changes(cells, name, before=j)
             todo.extend(sorted(needed - run))
             run |= needed
+    run |= _cleanup(cells, sources, course_sources, run)
     return run
+
+
+def _cleanup(cells: list[CellNames], sources: list[str], course_sources: list[str],
+             run: set[int]) -> set[int]:
+    """The course notebook's closing cell (the last one, when it checks that no worker
+    outlived its run or removes the folders the notebook made), when every cell it needs runs:
+    cells that ran made what it removes, and without it their folders would stay behind."""
+    if (not course_sources or course_sources[-1] not in sources
+            or not any(check in course_sources[-1] for check in CLOSING_CHECKS)):
+        return set()
+    last = len(sources) - 1 - sources[::-1].index(course_sources[-1])
+    needed = set().union(*(_latest_definition_and_changes(cells, name, before=last)
+                           for name in cells[last].reads))
+    return {last} if needed <= run else set()
 
 
 def _latest_definition_and_changes(cells: list[CellNames], name: str, before: int) -> set[int]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +36,19 @@ def task(tmp_path):
 def grade(fn, task, nproc=2):
     return capstone.capstone(functools.partial(fn, width=4), task, nproc=nproc, target=TARGET,
                           time_budget=BUDGET)
+
+
+def test_the_default_checkpoint_folder_is_removed_when_the_process_exits(tmp_path):
+    code = ("from labkit import capstone\n"
+            "task = capstone.capstone_task(epochs=2, train_per_class=1)\n"
+            "open(task.checkpoint, 'wb').write(b'x')\n"
+            "print(task.checkpoint)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    checkpoint = Path(out.stdout.strip())
+    assert checkpoint.parent.parent == tmp_path and checkpoint.parent.name.startswith(
+        "labkit-capstone-")
+    assert not checkpoint.parent.exists(), "the folder outlived the process"
 
 
 # ---- bad input is an error that says what to do (no worker starts) ----------------------------

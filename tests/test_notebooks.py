@@ -133,6 +133,24 @@ def test_solution_cells_follow_names_through_functions_comprehensions_and_change
                         course) == {0, 1, 2}
 
 
+def test_a_solution_notebook_runs_the_closing_cell_that_removes_what_its_cells_made():
+    from tests.solution_cells import cells_to_run
+
+    def solved(course):
+        return course[:1] + ["# EXERCISE e\ny = 2"] + course[2:] + ["check.assert_passed(['e'])"]
+
+    course = ["import shutil, tempfile", "# EXERCISE e\ny = ...", "WORK = tempfile.mkdtemp()",
+              "exercise.e(y, WORK)", "slow = train()", "shutil.rmtree(WORK)"]
+    # the check needs WORK, so the solution's run makes it: the closing cell removes it
+    assert cells_to_run(solved(course), course) == {0, 1, 2, 3, 5, 6}
+    # ... but not when it needs a cell the solution skips (it would pull in the training)
+    needs_slow = course[:5] + ["shutil.rmtree(WORK)\nprint(slow)"]
+    assert 5 not in cells_to_run(solved(needs_slow), needs_slow)
+    # a last cell that neither removes a folder nor checks for stray workers is no closing cell
+    plain = course[:5] + ["print(WORK)"]
+    assert 5 not in cells_to_run(solved(plain), plain)
+
+
 def test_every_solution_notebook_runs_its_solutions_their_checks_and_its_closing_assert():
     from labkit import exercises
     from tests.solution_cells import course_twin, solution_plan
