@@ -642,3 +642,31 @@ def test_overlap_plot_refuses_rows_without_the_overlap_columns(rows, match):
 
     with pytest.raises(ValueError, match=match):
         overlap_plot(rows)
+
+
+def test_roofline_plot_draws_the_roof_the_ridge_and_each_op():
+    from labkit.plots import roofline_plot
+
+    points = [{"op": "add", "intensity": 0.083, "flops_per_s": 0.7e9},
+              {"op": "matmul", "intensity": 170.0, "flops_per_s": 40e9}]
+    (ax,) = roofline_plot(50e9, 10e9, points).axes
+    roof, ridge = ax.lines[0], ax.lines[1]
+    xs, ys = roof.get_data()
+    assert max(ys) == pytest.approx(50.0)  # GFLOP/s: the compute roof
+    assert ys[0] == pytest.approx(xs[0] * 10.0)  # left of the ridge: intensity x 10 GB/s
+    assert ridge.get_xdata()[0] == pytest.approx(5.0)  # 50e9 / 10e9 FLOP per byte
+    assert [t.get_text() for t in ax.texts] == ["add", "matmul"]
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+
+
+@pytest.mark.parametrize("peak, bw, points, match", [
+    (0, 1e9, [{"op": "a", "intensity": 1, "flops_per_s": 1}], "must be > 0"),
+    (1e9, 1e9, [], "no points"),
+    (1e9, 1e9, [{"op": "a", "intensity": 1}], "flops_per_s"),
+    (1e9, 1e9, [{"op": "a", "intensity": 0, "flops_per_s": 1}], "on log axes"),
+])
+def test_roofline_plot_refuses_what_it_cannot_draw(peak, bw, points, match):
+    from labkit.plots import roofline_plot
+
+    with pytest.raises(ValueError, match=match):
+        roofline_plot(peak, bw, points)

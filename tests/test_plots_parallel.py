@@ -532,6 +532,10 @@ def _figure_cases(ranks) -> dict:
         "memory_plot": lambda: plots.memory_plot(
             [{"batch": b, "estimate": b * 2**20, "peak": (b + 3) * 2**20 if b < 64 else None}
              for b in (8, 16, 32, 64)], budget=48 * 2**20),
+        "roofline_plot": lambda: plots.roofline_plot(
+            50e9, 10e9, [{"op": "add", "intensity": 0.083, "flops_per_s": 0.7e9},
+                         {"op": "layernorm", "intensity": 0.5, "flops_per_s": 3e9},
+                         {"op": "matmul 1024", "intensity": 170.0, "flops_per_s": 40e9}]),
         "sp_activation_bytes": lambda: plots.sp_activation_bytes(
             sequence.activation_rows(ranks[0]["sp"])),
         "sp_layout": lambda: plots.sp_layout(4, sent_bytes={"tp": 12345, "sp": 12345}),

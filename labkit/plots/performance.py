@@ -1,11 +1,11 @@
-"""Figures of notebooks 04 and 07: every tuning technique against its own baseline, gradient
-buckets overlapping backward, memory against a budget."""
+"""Figures of notebooks 04, 07 and 11: every tuning technique against its own baseline,
+gradient buckets overlapping backward, memory against a budget, the roofline."""
 
 from __future__ import annotations
 
 from ._common import check_rows, course_figure, figure_for, legend_outside
 
-__all__ = ["tuning_plot", "overlap_plot", "memory_plot"]
+__all__ = ["tuning_plot", "overlap_plot", "memory_plot", "roofline_plot"]
 
 
 @course_figure
@@ -135,5 +135,55 @@ def memory_plot(rows: list[dict], budget: float, ax=None):
     ax.set_ylabel("MiB per device")
     ax.grid(alpha=0.3)
     legend_outside(ax, "right", wrap=24)
+    fig.tight_layout()
+    return fig
+
+
+@course_figure
+def roofline_plot(peak_flops: float, bandwidth_Bps: float, points: list[dict], ax=None,
+                  title: str = "this machine's roofline"):
+    """The roofline, ``min(peak, intensity x bandwidth)`` on log-log axes, and measured ops on it.
+
+    ``peak_flops`` (FLOP/s) and ``bandwidth_Bps`` (bytes/s) come from a machine card;
+    ``points`` are ``labkit.machine.measure_op`` results with an ``op`` name (``intensity`` in
+    FLOP per byte, ``flops_per_s`` achieved). The ridge point, where the slanted memory roof
+    meets the flat compute roof, is marked: ops left of it wait on memory. Each point is
+    labelled with its op. Returns the Figure.
+
+    Example::
+
+        >>> fig = roofline_plot(50e9, 10e9, [{"op": "add", "intensity": 0.08,
+        ...                                   "flops_per_s": 0.7e9}])
+    """
+    advice = "pass labkit.machine.measure_op results, each with an 'op' name added"
+    if not (peak_flops > 0 and bandwidth_Bps > 0):
+        raise ValueError(f"peak_flops and bandwidth_Bps must be > 0, got {peak_flops!r} and "
+                         f"{bandwidth_Bps!r}: read them from machine.load_card()")
+    if not points:
+        raise ValueError(f"no points to plot: {advice}")
+    check_rows(points, ["op", "intensity", "flops_per_s"], "points", advice)
+    bad = [p["op"] for p in points if not (p["intensity"] > 0 and p["flops_per_s"] > 0)]
+    if bad:
+        raise ValueError(f"intensity and flops_per_s must be > 0 on log axes; not for {bad}")
+    ridge = peak_flops / bandwidth_Bps
+    xs = [p["intensity"] for p in points] + [ridge]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    fig, ax = figure_for(ax, (8.5, 4.8))
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(grid, [min(peak_flops, x * bandwidth_Bps) / 1e9 for x in grid], color="k",
+            label="roofline: min(peak, intensity x bandwidth)")
+    ax.axvline(ridge, color="grey", linestyle=":", label=f"ridge point {ridge:.3g} FLOP/B")
+    for p in points:
+        ax.plot(p["intensity"], p["flops_per_s"] / 1e9, "o")
+        ax.annotate(p["op"], (p["intensity"], p["flops_per_s"] / 1e9),
+                    textcoords="offset points", xytext=(5, -12))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    legend_outside(ax, "below", wrap=40)
     fig.tight_layout()
     return fig
