@@ -10,7 +10,7 @@ shim every rank runs) and sizes itself with :func:`labkit.knob` (``profile``); b
 each notebook's code lives in the rooms named for its topic:
 
 - 00 environment check: ``doctor`` (facts and checks), ``bench`` (the first all-reduce, its
-  sweep and the alpha-beta fit), ``plots``.
+  sweep and the alpha-beta fit), ``machine`` (this machine's card), ``plots``.
 - 01 VGG16 and augmentation (and its Keras twin): ``data``, ``augment``, ``models``, ``train``,
   ``check`` (the graded exercises), ``plots``, ``explorers`` (the augmentation explorer).
 - 02 data parallelism (and its Keras twin): ``ddp`` (batch arithmetic, rank-0 checkpoints,
@@ -37,6 +37,11 @@ each notebook's code lives in the rooms named for its topic:
   ``memory``, ``communication``, ``search``, ``published``), ``parallel.traffic.step_traffic``
   (the bytes a real DDP or FSDP2 step sends, beside the planner's), ``explorers`` (the schedule
   and planner explorers), ``plots``.
+
+- 11 performance from first principles: ``machine`` (the machine card that notebook 00
+  measures and saves, data-sheet peaks, the roofline), ``precision`` (FLOPs and MFU, bytes
+  per parameter, bf16/fp16/FP8 numerics), ``traces`` (a DDP step's profiler trace and its
+  analysis), ``plots``.
 
 ``plots`` is a package with one module per notebook or concern (``plots.training``,
 ``plots.sequence``, ...); every figure is also ``labkit.plots.<name>``. ``cli`` is the command
@@ -82,7 +87,7 @@ _LAZY = {
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",
                  "capstone", "ddp", "perf", "diagnose", "elastic", "resources", "slurm",
-                 "planner", "explorers")
+                 "planner", "explorers", "machine", "precision", "traces")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

@@ -37,6 +37,7 @@ TOPICS = {
     "07_resources_multinode": "resources",
     "09_sequence_context_expert": "sequence_context_expert",
     "10_composing_parallelism": "composition",
+    "11_performance_principles": "performance_principles",
 }
 
 ROOT = Path(__file__).resolve().parents[2]
