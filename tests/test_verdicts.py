@@ -180,6 +180,22 @@ VERDICTS = {
         ("zero bubble idles less than 1F1B", 1.2, "cpu", {})],
     ("10_composing_parallelism", 'f"{name}: measured bubble above the schedule\'s own"'): [
         ("the simulated schedule predicts the bubble, plus the hand-overs", 0.5, "cpu", {})],
+    ("11_performance_principles", '"x + y: its bandwidth / the triad\'s"'): [
+        ("an add runs at the memory's bandwidth", 0.05, "cpu", {})],
+    ("11_performance_principles", 'f"matmul {big}: its FLOP/s / the card\'s peak"'): [
+        ("a large matmul reaches the machine's matmul peak", 0.1, "cpu", {})],
+    ("11_performance_principles", '"x + y\'s FLOP/s / the big matmul\'s"'): [
+        ("a memory-bound add gets a sliver of a matmul's FLOP/s", 0.5, "cpu", {})],
+    ("11_performance_principles", '"fused attention\'s speedup over unfused"'): [
+        (SPEEDS_UP, 0.8, "cpu", {})],
+    ("11_performance_principles", "'MFU of the small transformer'"): [
+        ("a step uses a share of the peak, never more than all of it", 1.2, "cpu", {}),
+        ("a step uses a share of the peak, never more than all of it", 0.01, "cpu", {})],
+    ("11_performance_principles",
+     '"rank 0\'s exposed communication / the last rank\'s stall"'): [
+        ("a straggler's stall is waited for inside the others' all-reduce", 0.1, "cpu", {})],
+    ("11_performance_principles", "'FP8 matmul speedup over bf16'"): [
+        (SPEEDS_UP, 1.0, "gpu", {})],
 }
 
 # (notebook, claim as written) -> whether the figure is noisy (not judged in smoke)
@@ -225,6 +241,7 @@ PREDICTIONS = {
     ("10_composing_parallelism", "'parameter bytes on rank 0'"): False,
     ("10_composing_parallelism", "'interleaved 1F1B bubble, p=4, v=2, m=8'"): False,
     ("10_composing_parallelism", "'MB one FSDP2 rank sends per step'"): False,
+    ("11_performance_principles", "'x + y, GFLOP/s'"): True,
 }
 
 
