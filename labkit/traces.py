@@ -84,7 +84,7 @@ def record_ddp_trace(out_dir, *, nproc: int = 2, steps: int | None = None,
     in ProcessGroupGloo.cpp. Under NCCL the CPU side is ``c10d::allreduce_`` with a
     ``nccl:all_reduce`` range inside (ProcessGroupNCCL.hpp's ``profilingTitle``), and the
     all-reduce runs as a GPU kernel named ``ncclDevKernel_AllReduce_...`` (``ncclKernel_...``
-    before NCCL 2.19) on NCCL's own stream.
+    in older NCCL releases) on NCCL's own stream.
 
     Example::
 
