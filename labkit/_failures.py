@@ -62,7 +62,10 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
 
     out = {}
     for f in run_dir.glob(PIDS):
-        out[rank_of(f.name)] = json.loads(f.read_text())["pid"]
+        try:
+            out[rank_of(f.name)] = json.loads(f.read_text())["pid"]
+        except FileNotFoundError:  # the run was stopped and its folder removed meanwhile
+            continue
     return out
 
 

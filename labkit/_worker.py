@@ -724,5 +724,35 @@ class _Slate:
                   "(warm=False)", flush=True)
 
 
+def leave(code: int) -> None:
+    """End the rank as Python's exit would, without the interpreter's shutdown.
+
+    torch 2.14's gloo threads can still be releasing the last collective's tensors while the
+    interpreter shuts down; releasing one takes the GIL, which then ends the thread, and the
+    rank aborts (SIGABRT, "terminate called without an active exception") after its result
+    was written: the run fails for nothing. So the rank does what exit does that matters (it
+    waits for the threads the run left running, runs the atexit functions while everything is
+    alive: DataLoader workers are stopped there, temporary files removed; flushes Python's and
+    C's buffered output) and leaves with os._exit.
+    """
+    import atexit
+    import ctypes
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed with the output pump
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # what native code printed with C's stdio
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    leave(main(sys.argv[1]))

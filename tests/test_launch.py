@@ -94,6 +94,40 @@ def test_main_function_and_closure_run_on_two_workers(tmp_path):
     assert "LOGS [] gloo" in out.stdout  # the workers printed nothing
 
 
+def ends_with_an_atexit_function_and_native_output(folder):
+    import atexit
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1)
+    dist.all_reduce(t)  # gloo's threads then hold this collective, as in any training run
+    rank = dist.get_rank()
+    atexit.register(lambda: open(os.path.join(folder, f"atexit-{rank}"), "w").close())
+    ctypes.CDLL(None).printf(b"native line of rank %d\n", rank)  # C's stdio: buffered in a pipe
+    return t.item()
+
+
+def test_a_rank_leaves_as_exit_would_atexit_functions_run_and_native_output_kept(tmp_path):
+    """Ranks end with os._exit after what exit does that matters: the atexit functions ran,
+    C's buffered output reached the cell, and the run succeeded."""
+    res = launch(ends_with_an_atexit_function_and_native_output, str(tmp_path), nproc=2,
+                 warm=False, show_ranks=[])
+    assert res.values == [2.0, 2.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit-0", "atexit-1"]
+    assert any("native line of rank 1" in line for line in res.logs[1])
+
+
+def test_rank_pids_skips_a_rank_file_removed_while_it_reads(tmp_path):
+    from labkit._failures import rank_pids
+    from labkit._protocol import pid_file
+
+    (tmp_path / pid_file(0)).write_text('{"pid": 123, "local_rank": 0}')
+    (tmp_path / pid_file(1)).symlink_to(tmp_path / "gone")  # listed, then not there to read
+    assert rank_pids(tmp_path) == {0: 123}
+
+
 def test_worker_output_streams_while_the_run_goes_on(tmp_path):
     script = controller_script(tmp_path, """
         def chatty():
