@@ -55,6 +55,11 @@ _ALIASES = {"float32": "fp32", "float": "fp32", "tensorfloat32": "tf32", "bfloat
 # ---- published limits --------------------------------------------------------------------------
 
 
+# H100 SXM and H200 SXM are the same GH100 chip at the same clocks (H200 has more and faster
+# HBM): one set of dense peaks, NVIDIA's H100 whitepaper's unrounded figures, serves both.
+_GH100_DENSE_TFLOPS = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9}
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
     """One GPU's published limits: dense peak TFLOP/s per dtype, HBM and NVLink GB/s.
@@ -90,8 +95,7 @@ GPUS = (
         name="H100 SXM",
         # torch: "NVIDIA H100 80GB HBM3"; the PCIe ("H100 PCIe") and NVL cards are refused.
         pattern=r"^(?!.*\b(?:PCIe|NVL)\b).*\bH100\b.*\b(?:SXM5?|80GB HBM3)\b",
-        dense_tflops={"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4,
-                      "fp8": 1978.9},
+        dense_tflops=dict(_GH100_DENSE_TFLOPS),
         hbm_GBps=3350.0, nvlink_GBps=900.0,
         source="NVIDIA H100 product page, https://www.nvidia.com/en-us/data-center/h100/, H100 "
                "SXM column: FP32 67 TFLOPS; TF32 989*, BF16 and FP16 1,979*, FP8 3,958* "
@@ -102,8 +106,7 @@ GPUS = (
     GpuSpec(
         name="H200 SXM",
         pattern=r"^(?!.*\b(?:PCIe|NVL)\b).*\bH200\b",  # torch: "NVIDIA H200"; not GH200
-        dense_tflops={"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4,
-                      "fp8": 1978.9},
+        dense_tflops=dict(_GH100_DENSE_TFLOPS),
         hbm_GBps=4800.0, nvlink_GBps=900.0,
         source="NVIDIA H200 product page, https://www.nvidia.com/en-us/data-center/h200/, H200 "
                "SXM column: FP32 67 TFLOPS; TF32 989*, BF16 and FP16 1,979*, FP8 3,958* "
