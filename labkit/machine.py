@@ -113,6 +113,21 @@ GPUS = (
                "TFLOPS (* with sparsity), the same rounded figures as H100 SXM (same GH100 "
                "chip), so the H100 whitepaper's unrounded dense values are used; GPU memory "
                "bandwidth 4.8TB/s; NVLink 900GB/s."),
+    GpuSpec(
+        name="B200 SXM",
+        # torch: "NVIDIA B200"; GB200 (two B200s beside a Grace CPU, clocked higher) and B300
+        # are other parts with other peaks, and \bB200\b does not match inside "GB200".
+        pattern=r"\bB200\b",
+        dense_tflops={"fp32": 80.0, "tf32": 1125.0, "bf16": 2250.0, "fp16": 2250.0,
+                      "fp8": 4500.0},
+        hbm_GBps=8000.0, nvlink_GBps=1800.0,
+        source="NVIDIA HGX platform page, https://www.nvidia.com/en-us/data-center/hgx/, and "
+               "DGX B200 datasheet, https://resources.nvidia.com/en-us-dgx-systems/"
+               "dgx-b200-datasheet: figures for 8 GPUs with sparsity (FP4 144 PFLOPS, 14.4 "
+               "TB/s of NVLink in all), divided per GPU and halved for dense in stas00/"
+               "ml-engineering's accelerator table (compute/accelerator/README.md, B200 SXM: "
+               "FP32 80, TF32 1,125, FP16 and BF16 2,250, FP8 4,500 TFLOPS without sparsity; "
+               "HBM3e 8.00 TB/s); NVLink 1.8 TB/s per GPU. Peaks at the 1,000 W HGX power."),
 )
 
 

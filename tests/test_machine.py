@@ -14,7 +14,7 @@ from labkit.bench import fit_alpha_beta
 
 # The names torch.cuda.get_device_name() reports for each part in the table.
 TORCH_NAMES = {"A100 SXM 80GB": "NVIDIA A100-SXM4-80GB", "H100 SXM": "NVIDIA H100 80GB HBM3",
-               "H200 SXM": "NVIDIA H200"}
+               "H200 SXM": "NVIDIA H200", "B200 SXM": "NVIDIA B200"}
 
 
 def _card(**changes):
@@ -36,9 +36,12 @@ def test_table_covers_the_parts_with_dense_figures_and_sources():
         assert "https://www.nvidia.com/" in spec.source and "sparsity" in spec.source
         # tensor cores are several times faster than CUDA cores: fp32 is the lowest figure
         assert spec.dense_tflops["fp32"] == min(spec.dense_tflops.values())
-    a100, h100, h200 = machine.GPUS
+    a100, h100, h200, b200 = machine.GPUS
     assert "fp8" not in a100.dense_tflops and "fp8" in h100.dense_tflops
     assert h200.dense_tflops == h100.dense_tflops and h200.hbm_GBps > h100.hbm_GBps
+    # Blackwell's dense BF16 and FP8 are about 2.27x Hopper's; its NVLink is twice as fast
+    assert b200.dense_tflops["fp8"] == 2 * b200.dense_tflops["bf16"]
+    assert b200.nvlink_GBps == 2 * h100.nvlink_GBps
 
 
 @pytest.mark.parametrize("spec", machine.GPUS, ids=lambda s: s.name)
@@ -58,6 +61,7 @@ def test_peak_flops_hand_values_aliases_and_sparse():
 
 @pytest.mark.parametrize("name", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL",
                                   "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-40GB",
+                                  "NVIDIA GB200", "NVIDIA B300 SXM6 AC",
                                   "NVIDIA A100 80GB PCIe", "NVIDIA L40S", "cpu"])
 def test_an_unknown_part_never_borrows_another_parts_peak(name):
     with pytest.raises(ValueError, match="pass the dense peak from your part's data sheet"):
