@@ -15,7 +15,9 @@ Three parts, one concept per function:
   times an operation so that a notebook can place it on the roofline. :func:`count_bytes`
   checks a byte count against what torch actually reads and writes.
 
-Nothing here plots; every result is plain data.
+Nothing here plots; every result is plain data. The three parts stay one room (past 800 lines)
+because each reads the others: the card's peaks feed the roofline, the published limits sit
+beside the card, and the op counts are what the roofline places.
 """
 
 from __future__ import annotations
@@ -428,7 +430,7 @@ def count_bytes(fn) -> dict:
 
 # ---- the machine card --------------------------------------------------------------------------
 
-CARD_VERSION = 1
+CARD_VERSION = 2  # 2: memory_GiB and allreduce_ranks, for the planner's "this machine"
 
 
 def _positive(value, name: str) -> float:
@@ -444,16 +446,19 @@ class MachineCard:
     """This machine's measured limits: what the roofline and MFU of later notebooks use.
 
     ``device`` is ``"cpu"`` or ``"cuda"``; ``model`` the CPU's or GPU's name; ``cores`` the
-    CPU threads torch computed with. ``peak_flops`` maps a dtype to measured matmul FLOP/s,
-    ``copy_GBps`` and ``triad_GBps`` are memory bandwidths (:func:`measure_bandwidth`).
-    ``alpha_s`` and ``beta_GBps`` are the all-reduce's latency and bandwidth fitted by
-    ``labkit.bench.fit_alpha_beta`` (its ``alpha_s`` and ``bandwidth_GBps``), or None when
-    not measured. ``profile`` is the labkit profile it was measured under (a smoke card's
-    sizes are too small to mean anything). A card checks itself when built.
+    CPU threads torch computed with; ``cpus`` the logical CPUs the machine lets this process
+    use (workers that together run more threads than that share them). ``peak_flops`` maps
+    a dtype to measured matmul FLOP/s, ``copy_GBps`` and ``triad_GBps`` are memory
+    bandwidths (:func:`measure_bandwidth`). ``memory_GiB`` is the device's memory (a GPU's,
+    or the RAM all CPU workers share). ``alpha_s`` and ``beta_GBps`` are the all-reduce's
+    latency and bandwidth fitted by ``labkit.bench.fit_alpha_beta`` (its ``alpha_s`` and
+    ``bandwidth_GBps``, the algbw) over ``allreduce_ranks`` workers, or None when not
+    measured. ``profile`` is the labkit profile it was measured under (a smoke card's sizes
+    are too small to mean anything). A card checks itself when built.
 
     Example::
 
-        >>> card = MachineCard("cpu", "AMD EPYC", 2, {"fp32": 5.0e10}, 12.0, 13.5)
+        >>> card = MachineCard("cpu", "AMD EPYC", 2, 2, {"fp32": 5.0e10}, 12.0, 13.5, 16.0)
         >>> card.ridge_point("fp32")             # FLOP per byte, against the triad bandwidth
         3.7037037037037037
     """
@@ -461,11 +466,14 @@ class MachineCard:
     device: str
     model: str
     cores: int
+    cpus: int
     peak_flops: dict
     copy_GBps: float
     triad_GBps: float
+    memory_GiB: float
     alpha_s: float | None = None
     beta_GBps: float | None = None
+    allreduce_ranks: int | None = None
     torch_version: str = torch.__version__
     profile: str = dataclasses.field(default_factory=current)
     version: int = CARD_VERSION
@@ -476,6 +484,7 @@ class MachineCard:
                 raise ValueError(f"{name} must be a non-empty string, got "
                                  f"{getattr(self, name)!r}")
         whole(self.cores, "cores")
+        whole(self.cpus, "cpus")
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise ValueError("peak_flops must map at least one dtype to FLOP/s, e.g. "
                              "{'fp32': 5e10}")
@@ -483,9 +492,15 @@ class MachineCard:
                            for k, v in self.peak_flops.items()}
         self.copy_GBps = _positive(self.copy_GBps, "copy_GBps")
         self.triad_GBps = _positive(self.triad_GBps, "triad_GBps")
-        if (self.alpha_s is None) != (self.beta_GBps is None):
-            raise ValueError("alpha_s and beta_GBps come from one fit: give both or neither")
+        self.memory_GiB = _positive(self.memory_GiB, "memory_GiB")
+        if len({self.alpha_s is None, self.beta_GBps is None, self.allreduce_ranks is None}) > 1:
+            raise ValueError("alpha_s, beta_GBps and allreduce_ranks come from one fit over "
+                             "some workers: give all three or none")
         if self.alpha_s is not None:
+            whole(self.allreduce_ranks, "allreduce_ranks")
+            if self.allreduce_ranks < 2:
+                raise ValueError(f"an all-reduce fit needs 2 or more workers, got "
+                                 f"allreduce_ranks={self.allreduce_ranks}")
             # An infinite bandwidth means the fit saw no growth with size: not a measurement.
             self.beta_GBps = _positive(self.beta_GBps, "beta_GBps")
             if (isinstance(self.alpha_s, bool) or not isinstance(self.alpha_s, (int, float))
@@ -521,14 +536,30 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def _memory_gib(dev: torch.device) -> float:
+    """The device's memory in GiB: the GPU's, or the RAM (capped by a cgroup's limit, as in a
+    container started with ``--memory``)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory / 2**30
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            ram = min(ram, int(limit))
+    except OSError:
+        pass
+    return ram / 2**30
+
+
 def measure_card(device=None, dtypes=None, *, alpha_beta: dict | None = None,
-                 sizes=None, nbytes=None, repeats: int = 3) -> MachineCard:
-    """Measure this machine once: matmul peak per dtype, copy and triad bandwidth.
+                 allreduce_ranks: int | None = None, sizes=None, nbytes=None,
+                 repeats: int = 3) -> MachineCard:
+    """Measure this machine once: matmul peak per dtype, copy and triad bandwidth, memory.
 
     ``dtypes`` defaults to fp32 and bf16 on a CPU, and fp32, tf32, bf16, fp16 on a GPU.
     ``alpha_beta`` is ``labkit.bench.fit_alpha_beta``'s result for this machine's
-    all-reduce, when notebook 00 measured one. ``sizes`` and ``nbytes`` go to
-    :func:`measure_matmul_peak` and :func:`measure_bandwidth`.
+    all-reduce over ``allreduce_ranks`` workers, when notebook 00 measured one. ``sizes`` and
+    ``nbytes`` go to :func:`measure_matmul_peak` and :func:`measure_bandwidth`.
 
     Example::
 
@@ -548,13 +579,19 @@ def measure_card(device=None, dtypes=None, *, alpha_beta: dict | None = None,
             raise ValueError("alpha_beta must be labkit.bench.fit_alpha_beta(rows)'s dict, "
                              "with 'alpha_s' and 'bandwidth_GBps'")
         alpha, beta = alpha_beta["alpha_s"], alpha_beta["bandwidth_GBps"]
+        if allreduce_ranks is None:
+            raise ValueError("give allreduce_ranks=, the number of workers the all-reduce "
+                             "behind alpha_beta ran on: its bandwidth depends on it")
     peaks = {_dtype_key(d): measure_matmul_peak(d, dev, sizes, repeats=repeats)["peak_flops"]
              for d in dtypes}
     bandwidth = measure_bandwidth(dev, nbytes, repeats=repeats)
     model = torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_model()
     return MachineCard(device=dev.type, model=model, cores=torch.get_num_threads(),
+                       cpus=len(os.sched_getaffinity(0)),
                        peak_flops=peaks, copy_GBps=bandwidth["copy_GBps"],
-                       triad_GBps=bandwidth["triad_GBps"], alpha_s=alpha, beta_GBps=beta,
+                       triad_GBps=bandwidth["triad_GBps"], memory_GiB=_memory_gib(dev),
+                       alpha_s=alpha, beta_GBps=beta,
+                       allreduce_ranks=allreduce_ranks if alpha_beta is not None else None,
                        profile=current())
 
 

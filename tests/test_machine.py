@@ -18,9 +18,9 @@ TORCH_NAMES = {"A100 SXM 80GB": "NVIDIA A100-SXM4-80GB", "H100 SXM": "NVIDIA H10
 
 
 def _card(**changes):
-    fields = {"device": "cpu", "model": "test CPU", "cores": 2,
+    fields = {"device": "cpu", "model": "test CPU", "cores": 2, "cpus": 8,
               "peak_flops": {"fp32": 4e10, "bf16": 1e10}, "copy_GBps": 10.0,
-              "triad_GBps": 8.0, "profile": "smoke"}
+              "triad_GBps": 8.0, "memory_GiB": 16.0, "profile": "smoke"}
     return machine.MachineCard(**{**fields, **changes})
 
 
@@ -256,12 +256,15 @@ def test_measure_op_places_an_op_on_the_roofline():
 
 def test_measure_card_with_an_alpha_beta_fit():
     rows = [{"bytes": b, "seconds": 1e-5 + b / 1e9} for b in (1 << 10, 1 << 16, 1 << 20)]
-    card = machine.measure_card("cpu", alpha_beta=fit_alpha_beta(rows), sizes=(8,),
-                                nbytes=1 << 12, repeats=1)
+    card = machine.measure_card("cpu", alpha_beta=fit_alpha_beta(rows), allreduce_ranks=4,
+                                sizes=(8,), nbytes=1 << 12, repeats=1)
     assert card.device == "cpu" and set(card.peak_flops) == {"fp32", "bf16"}
     assert all(_sane(v) for v in card.peak_flops.values())
     assert _sane(card.copy_GBps) and _sane(card.triad_GBps) and card.cores >= 1
     assert card.alpha_s == pytest.approx(1e-5) and card.beta_GBps == pytest.approx(1.0)
+    assert card.allreduce_ranks == 4 and _sane(card.memory_GiB) and card.cpus >= card.cores
+    with pytest.raises(ValueError, match="allreduce_ranks="):
+        machine.measure_card("cpu", alpha_beta=fit_alpha_beta(rows), sizes=(8,), nbytes=64)
     assert card.torch_version == torch.__version__
     with pytest.raises(ValueError, match="fit_alpha_beta"):
         machine.measure_card("cpu", alpha_beta={"alpha": 1}, sizes=(8,), nbytes=64)
@@ -282,14 +285,18 @@ def test_card_ridge_point_uses_the_triad_bandwidth():
 @pytest.mark.parametrize("changes, message", [
     ({"device": ""}, "device must be a non-empty string"),
     ({"cores": 0}, "cores must be a whole number"),
+    ({"cpus": 1.5}, "cpus must be a whole number"),
     ({"peak_flops": {}}, "at least one dtype"),
     ({"peak_flops": {"fp32": -1.0}}, r"peak_flops\['fp32'\]"),
     ({"peak_flops": {"int8": 1.0}}, "unknown dtype"),
     ({"copy_GBps": math.nan}, "copy_GBps"),
-    ({"alpha_s": 1e-5}, "both or neither"),
-    ({"alpha_s": -1.0, "beta_GBps": 1.0}, "alpha_s must be a latency"),
-    ({"alpha_s": 0.0, "beta_GBps": math.inf}, "beta_GBps"),
-    ({"version": 0}, "version 1"),
+    ({"memory_GiB": 0}, "memory_GiB"),
+    ({"alpha_s": 1e-5}, "all three or none"),
+    ({"alpha_s": 1e-5, "beta_GBps": 1.0}, "all three or none"),
+    ({"alpha_s": -1.0, "beta_GBps": 1.0, "allreduce_ranks": 2}, "alpha_s must be a latency"),
+    ({"alpha_s": 0.0, "beta_GBps": math.inf, "allreduce_ranks": 2}, "beta_GBps"),
+    ({"alpha_s": 0.0, "beta_GBps": 1.0, "allreduce_ranks": 1}, "2 or more workers"),
+    ({"version": 1}, "version 2"),
 ])
 def test_a_card_checks_itself(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -297,7 +304,7 @@ def test_a_card_checks_itself(changes, message):
 
 
 def test_save_and_load_round_trip(tmp_path):
-    card = _card(alpha_s=2e-5, beta_GBps=5.0)
+    card = _card(alpha_s=2e-5, beta_GBps=5.0, allreduce_ranks=2)
     path = machine.save_card(card, tmp_path / "sub" / "card.json")
     assert path == tmp_path / "sub" / "card.json"
     assert machine.load_card(path) == card
@@ -319,8 +326,9 @@ def test_load_card_missing_file_says_what_to_run(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("{not json", "is damaged"),
     ("[1, 2]", "holds no machine card"),
-    (json.dumps({"version": 99}), "version 99; this labkit reads version 1"),
-    (json.dumps({"version": 1, "device": "cpu"}), "lacks"),
+    (json.dumps({"version": 99}), "version 99; this labkit reads version 2"),
+    (json.dumps({"version": 1, "device": "cpu"}), "version 1; this labkit reads version 2"),
+    (json.dumps({"version": 2, "device": "cpu"}), "lacks"),
 ])
 def test_load_card_refuses_a_damaged_file(tmp_path, text, message):
     path = tmp_path / "machine.json"
@@ -363,3 +371,36 @@ def test_a_failed_save_leaves_the_old_card_whole(tmp_path, monkeypatch, fail):
         machine.save_card(_card(model="another CPU"), path)
     assert path.read_text() == old
     assert [p.name for p in tmp_path.iterdir()] == ["machine.json"]  # no temporary left
+
+
+# ---- the planner's "this machine" --------------------------------------------------------------
+
+
+def test_the_planners_cluster_from_a_card():
+    from labkit import planner
+
+    card = _card(alpha_s=60e-6, beta_GBps=2.0, allreduce_ranks=4)
+    here = planner.Cluster.from_card(card, devices=4)
+    # a ring all-reduce over 4 workers sends 2 * 3/4 of the message from each worker
+    assert here.intra_GBps == here.inter_GBps == 2.0 * 1.5
+    assert here.latency_us == pytest.approx(60 / 6)        # alpha over 2 * (4 - 1) ring steps
+    assert here.tflops == 4e10 / 1e12 and here.devices_per_node == 4   # 4 x 2 threads on 8
+    crowded = planner.Cluster.from_card(card, devices=8)   # 8 workers x 2 threads on 8 CPUs
+    assert crowded.tflops == 4e10 / 2 / 1e12
+    assert here.memory_gib == 16.0 / 4                        # CPU workers share the RAM
+    assert "this machine" in str(here)
+    gpu = planner.Cluster.from_card(_card(device="cuda", alpha_s=1e-5, beta_GBps=100.0,
+                                          allreduce_ranks=8), devices=8, dtype="bf16")
+    assert gpu.memory_gib == 16.0 and gpu.tflops == 1e10 / 1e12   # a GPU's memory is its own
+
+
+def test_the_planners_cluster_from_a_card_refusals():
+    from labkit import planner
+
+    with pytest.raises(planner.PlanError, match="no all-reduce fit: run notebook 00"):
+        planner.Cluster.from_card(_card(), devices=2)
+    fitted = _card(alpha_s=1e-5, beta_GBps=1.0, allreduce_ranks=2)
+    with pytest.raises(planner.PlanError, match="no fp16 matmul peak .* fp32, bf16"):
+        planner.Cluster.from_card(fitted, devices=2, dtype="fp16")
+    with pytest.raises(planner.PlanError, match="devices"):
+        planner.Cluster.from_card(fitted, devices=0)

@@ -246,6 +246,44 @@ class Cluster:
                             f"{self.devices_per_node}: use a multiple of {self.devices_per_node} "
                             f"or set devices_per_node")
 
+    @classmethod
+    def from_card(cls, card, devices: int, dtype: str = "fp32") -> Cluster:
+        """This machine as the planner sees it, from notebook 00's machine card.
+
+        ``card`` is a ``labkit.machine.MachineCard`` (only its fields are read: the planner
+        stays free of torch). ``devices`` workers on one node: on a CPU they share the RAM,
+        so each gets ``memory_GiB / devices``; a GPU's memory is its own. ``tflops`` is the
+        matmul rate measured for ``dtype``, a rate this machine reached, not a data sheet's.
+        One worker measured it alone with ``cores`` threads; CPU workers that together run
+        more threads than the machine's ``cpus`` share them, so each gets that fraction of it.
+        The all-reduce's fit over ``p = allreduce_ranks`` workers gives the link: a ring
+        all-reduce of ``n`` bytes sends ``2(p-1)/p * n`` from each worker, so each sends at
+        ``2(p-1)/p`` times the fitted algbw, and its latency ``alpha`` is paid over
+        ``2(p-1)`` ring steps.
+
+        Example::
+
+            >>> here = Cluster.from_card(labkit.machine.load_card(), devices=4)
+        """
+        if getattr(card, "allreduce_ranks", None) is None or card.alpha_s is None:
+            raise PlanError("the machine card has no all-reduce fit: run notebook 00's "
+                            "all-reduce sweep with 2 or more workers, then its machine-card "
+                            "cell, and load the card again")
+        if dtype not in card.peak_flops:
+            raise PlanError(f"the machine card has no {dtype} matmul peak (it has "
+                            f"{', '.join(card.peak_flops)}): pass dtype= one of those")
+        _whole(devices, "devices")
+        p = card.allreduce_ranks
+        per_rank_GBps = card.beta_GBps * 2 * (p - 1) / p
+        cpu = card.device == "cpu"
+        memory = card.memory_GiB / devices if cpu else card.memory_GiB
+        share = min(1.0, card.cpus / (devices * card.cores)) if cpu else 1.0
+        return cls(devices=devices, memory_gib=memory, devices_per_node=devices,
+                   intra_GBps=per_rank_GBps, inter_GBps=per_rank_GBps,
+                   tflops=card.peak_flops[dtype] * share / 1e12,
+                   latency_us=card.alpha_s / (2 * (p - 1)) * 1e6,
+                   name=f"this machine: {devices} x {card.model[:40]} ({card.device})")
+
     @property
     def budget(self) -> float:
         """Bytes per device the plan may use: the memory less the headroom."""
