@@ -249,6 +249,9 @@ PREDICTIONS = {
     ("10_composing_parallelism", "'MB one FSDP2 rank sends per step'"): False,
     ("10_composing_parallelism", "\"measured step / planner's step\""): True,
     ("11_performance_principles", "'x + y, GFLOP/s'"): True,
+    ("11_performance_principles", "'attention, unfused time / fused'"): True,
+    ("11_performance_principles", "'MFU of the small transformer step'"): True,
+    ("11_performance_principles", '"rank 0\'s exposed communication"'): True,
 }
 
 
