@@ -43,6 +43,7 @@ __all__ = ["GpuSpec", "GPUS", "DTYPES", "gpu_spec", "peak_flops", "explain_peak"
            "measure_matmul_peak", "measure_bandwidth", "copy_kernel", "triad_kernel",
            "copy_bytes", "triad_bytes",
            "count_bytes", "MachineCard", "CARD_VERSION", "card_path", "measure_card",
+           "card_beside_spec",
            "save_card", "load_card", "attainable_flops", "ridge_point", "bound",
            "matmul_intensity", "add_intensity", "layernorm_intensity", "softmax_intensity",
            "attention_intensity", "measure_op"]
@@ -658,6 +659,36 @@ def load_card(path=None) -> MachineCard:
         return MachineCard(**data)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the machine card {path} is damaged ({exc}): {redo}") from exc
+
+
+def card_beside_spec(card: MachineCard) -> list[dict] | None:
+    """A GPU's measured limits beside its data sheet's, for a part :data:`GPUS` knows.
+
+    One row per figure both have: each dtype's matmul peak against the dense peak, and the
+    card's copy bandwidth against the HBM bandwidth; ``measured``, ``published`` (FLOP/s or
+    bytes/s) and ``fraction``, the first over the second. None for a CPU, or for a GPU
+    whose exact part :func:`gpu_spec` does not know: no other part's figures are borrowed.
+
+    Example::
+
+        >>> [(r["what"], round(r["fraction"], 2)) for r in card_beside_spec(load_card())]
+        [('fp32 matmul', 0.77), ('bf16 matmul', 0.74), ..., ('memory (copy)', 0.88)]
+    """
+    if not isinstance(card, MachineCard):
+        raise TypeError(f"card must be a MachineCard (from measure_card or load_card), got "
+                        f"{type(card).__name__}")
+    if card.device != "cuda":
+        return None
+    try:
+        spec = gpu_spec(card.model)
+    except ValueError:
+        return None
+    rows = [{"what": f"{key} matmul", "measured": flops,
+             "published": spec.dense_tflops[key] * 1e12}
+            for key, flops in card.peak_flops.items() if key in spec.dense_tflops]
+    rows.append({"what": "memory (copy)", "measured": card.copy_GBps * 1e9,
+                 "published": spec.hbm_GBps * 1e9})
+    return [{**row, "fraction": row["measured"] / row["published"]} for row in rows]
 
 
 # ---- the roofline ------------------------------------------------------------------------------

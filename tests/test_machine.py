@@ -404,3 +404,18 @@ def test_the_planners_cluster_from_a_card_refusals():
         planner.Cluster.from_card(fitted, devices=2, dtype="fp16")
     with pytest.raises(planner.PlanError, match="devices"):
         planner.Cluster.from_card(fitted, devices=0)
+
+
+def test_a_gpu_card_beside_its_data_sheet():
+    h100 = _card(device="cuda", model="NVIDIA H100 80GB HBM3",
+                 peak_flops={"fp32": 50e12, "bf16": 700e12}, copy_GBps=2900.0)
+    rows = {r["what"]: r for r in machine.card_beside_spec(h100)}
+    assert set(rows) == {"fp32 matmul", "bf16 matmul", "memory (copy)"}
+    assert rows["bf16 matmul"]["published"] == 989.4e12
+    assert rows["bf16 matmul"]["fraction"] == 700e12 / 989.4e12
+    assert rows["memory (copy)"]["fraction"] == 2900.0 / 3350.0
+    # a CPU has no data sheet here, nor does a part labkit does not know (none is borrowed)
+    assert machine.card_beside_spec(_card()) is None
+    assert machine.card_beside_spec(_card(device="cuda", model="NVIDIA H100 PCIe")) is None
+    with pytest.raises(TypeError, match="MachineCard"):
+        machine.card_beside_spec({"device": "cuda"})
