@@ -275,9 +275,10 @@ def measure_matmul_peak(dtype="fp32", device=None, sizes=None, *, repeats: int =
     """This machine's matmul FLOP/s at ``dtype``: square (n, n) @ (n, n) at growing n.
 
     Each matmul is ``2 n^3`` FLOPs (n^3 multiplications, n^3 additions); each size's rate
-    is that of the fastest of ``repeats`` rounds (another program only slows a round down),
-    and the peak is the best size's, since small matmuls cannot keep every core busy. ``tf32`` is fp32 with TensorFloat-32 tensor cores
-    allowed (CUDA only). ``sizes`` defaults by profile: tiny in smoke, up to 8192 on GPUs.
+    is that of the fastest of ``repeats`` rounds (another program only slows a round
+    down), and the peak is the best size's, since small matmuls cannot keep every core
+    busy. ``tf32`` is fp32 with TensorFloat-32 tensor cores allowed (CUDA only). ``sizes``
+    defaults by profile: tiny in smoke, up to 8192 on GPUs.
     Returns ``{"dtype", "device", "peak_flops", "best_n", "rows"}``, a row per size.
 
     Example::
