@@ -35,7 +35,8 @@ __all__ = [
     "young_daly_interval", "daly_interval", "exact_interval", "expected_goodput",
     "exact_goodput", "simulate_goodput", "Interruptions", "LLAMA3_405B", "mtbf_at_scale",
     "interval_at_scale", "FAULT_KINDS", "Fault", "fault_plan", "fingerprint", "fingerprints",
-    "divergent_ranks", "peer_recovery_plan", "resilient_training", "LIES", "lying_resumes",
+    "divergent_ranks", "peer_recovery_plan", "heal_from_peers", "resilient_training", "LIES",
+    "lying_resumes",
 ]
 
 
@@ -517,8 +518,9 @@ def _all_reduce_grads(model, loss, group, world: int, step: int, marks: _Marks, 
     return float(flat[-1])
 
 
-def _heal(model, opt, healthy, recovering, group, step: int) -> list[dict]:
-    """Send model and optimizer state from healthy ranks to recovering ones, per the plan.
+def heal_from_peers(model, opt, healthy, recovering, group=None, step: int = 0) -> list[dict]:
+    """Send model and optimizer state from healthy ranks to recovering ones, per
+    :func:`peer_recovery_plan`; run on every rank. Returns ``[{step, src, dst}]``.
 
     Every rank walks the same plan in the same order, so each send meets its receive.
     """
@@ -564,7 +566,7 @@ def _clock(folder, group) -> float:
 def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", folder=None,
                        ckpt_every: int = 5, check_every: int = 1, batch: int = 8,
                        lr: float = 0.05, seed: int = 0, collective_timeout: float = 10.0,
-                       step_seconds: float = 0.0) -> dict:
+                       step_seconds: float = 0.0, heal=None) -> dict:
     """Worker function: data-parallel SGD on a deterministic stream, with faults and recovery.
 
     Every rank builds the same tiny MLP from ``seed``; step s's batch on rank r is
@@ -593,11 +595,17 @@ def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", fo
       process would start; at the top of the step every rank learns who lost its state, the
       plan's peers send model and optimizer state, and the step runs with nothing rolled back.
       A replica whose fingerprint leaves the majority (``corrupt``) is healed the same way.
+      ``heal(model, optimizer, healthy, recovering, group)``, when given, replaces labkit's
+      exchange (:func:`heal_from_peers`): it runs on every rank and must leave the recovering
+      ranks' model and optimizer equal to the healthy ones'.
 
     Returns, per rank: ``weights`` (flat, final), ``fingerprint``, ``losses`` ({step: mean
     loss} of the steps this attempt ran), ``steps_run``, ``resumed_from``, ``restarts``,
     ``lost_steps`` (steps computed and then thrown away), ``healed`` ([{step, src, dst}]),
     ``diverged`` (the first {step, ranks} whose fingerprints left the majority, or None),
+    ``heals`` ([{step, healthy, recovering, calls}]: ``calls`` is what this rank sent and
+    received while healing, ``(op, peer, sent_bytes, payload_bytes)`` each, counted by
+    ``labkit.parallel.traffic``),
     ``wall_seconds`` (from the first attempt's start), ``useful_seconds`` (time in the steps
     the final weights are made of) and ``goodput`` (their ratio).
 
@@ -642,7 +650,21 @@ def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", fo
         useful = torch.load(latest_checkpoint(folder), map_location="cpu")["useful_seconds"]
         lost = int((Path(folder) / "progress").read_text()) - done
     started = _clock(folder if recovery == "restart" else None, group)
-    losses, steps_run, healed, diverged = {}, [], [], None
+    losses, steps_run, healed, diverged, heals = {}, [], [], None, []
+
+    def healing(healthy, recovering):
+        from .parallel.traffic import count_traffic
+
+        with count_traffic() as traffic:
+            if heal is None:
+                healed.extend(heal_from_peers(model, opt, healthy, recovering, group, step))
+            else:
+                heal(model, opt, list(healthy), list(recovering), group)
+                healed.extend({"step": step, "src": None, "dst": r} for r in recovering)
+        heals.append({"step": step, "healthy": healthy, "recovering": recovering,
+                      "calls": [(c.op, c.peer, c.sent_bytes, c.payload_bytes)
+                                for c in traffic.calls]})
+
     for step in range(done + 1, steps + 1):
         now = _faults_now(plan, rank, step)
         if "kill" in now and recovery == "restart":
@@ -656,8 +678,7 @@ def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", fo
             dist.all_reduce(lost_state, group=group)
             if lost_state.any():
                 bad = [r for r in range(world) if lost_state[r]]
-                healed += _heal(model, opt, [r for r in range(world) if r not in bad], bad,
-                                group, step)
+                healing([r for r in range(world) if r not in bad], bad)
         if "hang" in now:
             time.sleep(timeout * 10 + 30)  # far past the timeout: the peers must give up first
         tick = time.perf_counter()
@@ -681,8 +702,7 @@ def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", fo
                 if len(odd) == world:
                     raise RuntimeError(f"step {step}: the replicas disagree and no majority "
                                        f"is left to trust: restore from a checkpoint")
-                healed += _heal(model, opt, [r for r in range(world) if r not in odd], odd,
-                                group, step)
+                healing([r for r in range(world) if r not in odd], odd)
         if recovery == "restart":
             if rank == 0:  # how far the run got: a restart redoes the steps past the checkpoint
                 (Path(folder) / "progress").write_text(str(step))
@@ -694,7 +714,8 @@ def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", fo
     return {"rank": rank, "weights": parameters_to_vector(model.parameters()).detach().clone(),
             "fingerprint": fingerprint(model), "losses": losses, "steps_run": steps_run,
             "resumed_from": done or None, "lost_steps": lost, "healed": healed,
-            "diverged": diverged, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            "diverged": diverged, "heals": heals,
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "wall_seconds": wall, "useful_seconds": useful, "goodput": useful / wall}
 
 
