@@ -38,6 +38,7 @@ TOPICS = {
     "09_sequence_context_expert": "sequence_context_expert",
     "10_composing_parallelism": "composition",
     "11_performance_principles": "performance_principles",
+    "12_checkpoints_failures": "checkpoints_failures",
 }
 
 ROOT = Path(__file__).resolve().parents[2]
