@@ -42,6 +42,10 @@ each notebook's code lives in the rooms named for its topic:
   measures and saves, data-sheet peaks, the roofline), ``precision`` (FLOPs and MFU, bytes
   per parameter, bf16/fp16/FP8 numerics), ``traces`` (a DDP step's profiler trace and its
   analysis), ``plots``.
+- 12 checkpoints and failures at scale: ``checkpoints`` (DCP saves of an FSDP2 run, resharded
+  resumes, what a save wrote and what a resharded rank reads, async saves), ``resilience``
+  (the checkpoint interval and goodput, failure rates at scale, faults injected into a
+  data-parallel run, restart against in-memory healing by a peer, resumes that lie).
 
 ``plots`` is a package with one module per notebook or concern (``plots.training``,
 ``plots.sequence``, ...); every figure is also ``labkit.plots.<name>``. ``cli`` is the command
@@ -87,7 +91,8 @@ _LAZY = {
 
 _LAZY_MODULES = ("doctor", "bench", "plots", "data", "models", "augment", "train", "check",
                  "capstone", "ddp", "perf", "diagnose", "elastic", "resources", "slurm",
-                 "planner", "explorers", "machine", "precision", "traces")
+                 "planner", "explorers", "machine", "precision", "traces", "checkpoints",
+                 "resilience")
 
 __all__ = ["profile", "knob", "__version__", *_LAZY, *_LAZY_MODULES]
 

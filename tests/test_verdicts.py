@@ -186,6 +186,10 @@ VERDICTS = {
          "credited with the whole machine's rate is several times off)", 4.5, "cpu", {}),
         ("the planner leaves costs out: the real step is not much faster than it", 0.3, "cpu",
          {})],
+    ("12_checkpoints_failures", '"async_save\'s stall / dcp.save\'s"'): [
+        ("async_save takes the writing off the training's path", 1.2, "cpu", {})],
+    ("12_checkpoints_failures", '"peer recovery\'s goodput / restart\'s"'): [
+        ("healing in memory keeps more of the time than restarting everyone", 0.9, "cpu", {})],
     ("11_performance_principles", '"x + y: its bandwidth / the triad\'s"'): [
         ("an add runs at the memory's bandwidth", 0.05, "cpu", {})],
     ("11_performance_principles", 'f"matmul {big}: its FLOP/s / the card\'s peak"'): [
@@ -249,6 +253,7 @@ PREDICTIONS = {
     ("10_composing_parallelism", "'MB one FSDP2 rank sends per step'"): False,
     ("10_composing_parallelism", "\"measured step / planner's step\""): True,
     ("11_performance_principles", "'x + y, GFLOP/s'"): True,
+    ("12_checkpoints_failures", "'steps redone after the restart'"): False,
     ("11_performance_principles", "'attention, unfused time / fused'"): True,
     ("11_performance_principles", "'MFU of the small transformer step'"): True,
     ("11_performance_principles", '"rank 0\'s exposed communication"'): True,
