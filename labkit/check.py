@@ -23,6 +23,7 @@ cells as the learner finds them); it prints its verdict and returns a truthy or 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -39,7 +40,8 @@ from . import profile
 from ._display import WIDTH, hang, show_verdict
 
 __all__ = ["Verdict", "NotYet", "exercise", "on_ranks", "written", "comparable", "solution",
-           "progress", "assert_passed", "learner_traceback", "judged",
+           "progress", "assert_passed", "learner_traceback", "judged", "NotAllowedHere",
+           "out_of_reach",
            "in_band", "prediction", "EXERCISES", "PLACEHOLDER"]
 
 # The exercise cells as the learner finds them: functions that raise
@@ -100,6 +102,44 @@ class NotYet(Exception):
         self.hint = hint
         self.stuck = stuck or []  # from on_ranks: the ranks a hang left waiting
         self.traceback = traceback  # from on_ranks: a rank's whole traceback
+
+
+class NotAllowedHere(RuntimeError):
+    """Raised by one of labkit's functions that answers an exercise, while it is graded."""
+
+
+@contextlib.contextmanager
+def out_of_reach(fn, modules, names, why: str):
+    """While the block runs, the functions ``names`` of ``modules[0]`` raise
+    :class:`NotAllowedHere` wherever the learner's ``fn`` could reach them: in ``modules``
+    (the owner and the modules that import them) and in ``fn``'s globals, whatever name
+    they are bound to there. Everything is put back when the block ends, however it ends.
+
+    Example::
+
+        >>> with out_of_reach(my_plan, [planner], ["plan"], "my_plan computes it by hand"):
+        ...     got = my_plan(model)          # planner.plan(...) inside raises NotAllowedHere
+    """
+    owner = modules[0].__name__.rsplit(".", 1)[-1]
+    real = {id(getattr(modules[0], name)): name for name in names}
+
+    def refusal(name):
+        def refused(*args, **kwargs):
+            raise NotAllowedHere(f"{owner}.{name} is not allowed here: {why}")
+        refused.__name__ = name
+        return refused
+
+    saved = []
+    for space in [vars(m) for m in modules] + [getattr(fn, "__globals__", {})]:
+        for key, value in list(space.items()):
+            if callable(value) and id(value) in real:
+                saved.append((space, key, value))
+                space[key] = refusal(real[id(value)])
+    try:
+        yield
+    finally:
+        for space, key, value in reversed(saved):
+            space[key] = value
 
 
 @dataclasses.dataclass(frozen=True)

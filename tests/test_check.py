@@ -682,3 +682,23 @@ def test_progress_keeps_each_exercise_whole_within_100(tmp_path, monkeypatch, ca
     assert lines and all(len(line) <= 100 for line in lines[1:]), [
         line for line in lines if len(line) > 100]
     check.assert_passed([])
+
+
+def test_out_of_reach_refuses_everywhere_the_learner_could_reach_and_puts_everything_back():
+    import types
+
+    from labkit.check import NotAllowedHere, out_of_reach
+
+    owner = types.ModuleType("labkit.fake_answers")
+    owner.answer = lambda: 42
+    user = types.ModuleType("labkit.fake_user")
+    user.same = owner.answer  # imported under another name
+    learner_globals = {"mine": owner.answer}
+    fn = eval("lambda: mine()", learner_globals)
+    with pytest.raises(ZeroDivisionError), out_of_reach(fn, [owner, user], ["answer"], "by hand"):
+        for call in (fn, owner.answer, user.same):
+            with pytest.raises(NotAllowedHere,
+                               match="fake_answers.answer is not allowed here: by hand"):
+                call()
+        raise ZeroDivisionError  # the block ends with an error: everything is still put back
+    assert fn() == owner.answer() == user.same() == 42

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..check import NotYet, exercise
+from ..check import NotYet, exercise, out_of_reach
 
 NOTEBOOK = "12"
 
@@ -29,36 +29,15 @@ RESHARD_CASES = [
 ]
 
 
-class NotAllowedHere(RuntimeError):
-    """Raised by labkit's own resharding functions while the learner's answer is graded."""
-
-
 @contextlib.contextmanager
 def _answers_out_of_reach(fn):
     """``checkpoints.reshard_plan`` and ``shard_rows`` refuse while ``fn`` runs: the exercise
     is to compute the reads, not to call them."""
     from .. import checkpoints
 
-    names = ("reshard_plan", "shard_rows")
-
-    def refuse(name):
-        def refused(*args, **kwargs):
-            raise NotAllowedHere(f"checkpoints.{name} is not allowed here: my_reshard_reads "
-                                 f"computes the reads by hand")
-        return refused
-
-    real = {id(getattr(checkpoints, n)): n for n in names}
-    saved = []
-    for space in (vars(checkpoints), getattr(fn, "__globals__", {})):
-        for key, value in list(space.items()):
-            if callable(value) and id(value) in real:
-                saved.append((space, key, value))
-                space[key] = refuse(real[id(value)])
-    try:
+    with out_of_reach(fn, [checkpoints], ("reshard_plan", "shard_rows"),
+                      "my_reshard_reads computes the reads by hand"):
         yield
-    finally:
-        for space, key, value in reversed(saved):
-            space[key] = value
 
 
 def _reference(rows: int, old: int, new: int) -> list[list[tuple[int, int, int]]]:

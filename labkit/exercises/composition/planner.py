@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 
-from ...check import NotYet, exercise
+from ...check import NotAllowedHere, NotYet, exercise, out_of_reach
 
 NOTEBOOK = "10"
 
@@ -60,39 +60,17 @@ def _reference(model, d) -> dict:
             "optimizer": state["optimizer"], "activations": stage_activation_bytes(model, d)}
 
 
-class NotAllowedHere(RuntimeError):
-    """Raised by the planner's functions while the learner's estimate is being graded."""
-
-
-def _refuse(name: str):
-    def refused(*args, **kwargs):
-        raise NotAllowedHere(f"planner.{name} is not allowed here: my_memory computes the bytes "
-                             f"by hand")
-    refused.__name__ = name
-    return refused
-
-
 @contextlib.contextmanager
 def _planner_out_of_reach(fn):
-    """Swap the planner's answers for refusals in its modules and in ``fn``'s globals."""
+    """The planner's answers refused in its package, its modules and ``fn``'s globals."""
     import sys
 
     from ... import planner
 
     modules = [planner] + [m for k, m in sys.modules.items()
                            if k.startswith(planner.__name__ + ".") and m is not None]
-    real = {id(getattr(planner, n)): n for n in _OUT_OF_REACH}
-    saved = []
-    for space in [vars(m) for m in modules] + [getattr(fn, "__globals__", {})]:
-        for key, value in list(space.items()):
-            if callable(value) and id(value) in real:
-                saved.append((space, key, value))
-                space[key] = _refuse(real[id(value)])
-    try:
+    with out_of_reach(fn, modules, _OUT_OF_REACH, "my_memory computes the bytes by hand"):
         yield
-    finally:
-        for space, key, value in reversed(saved):
-            space[key] = value
 
 
 def _close(got, want: float) -> bool:
