@@ -121,6 +121,13 @@ def exact_interval(save_seconds, mtbf_seconds) -> float:
             high = mid
 
 
+def _model(interval, save_seconds, mtbf_seconds, restart_seconds) -> tuple[float, ...]:
+    """The goodput models' four inputs, checked: τ, δ, M > 0 and R >= 0."""
+    return (_positive(interval, "interval"), _positive(save_seconds, "save_seconds"),
+            _positive(mtbf_seconds, "mtbf_seconds"),
+            _not_negative(restart_seconds, "restart_seconds"))
+
+
 def expected_goodput(interval, save_seconds, mtbf_seconds, restart_seconds=0.0) -> float:
     """The first-order goodput: ``1 − δ/τ − (τ/2 + R)/M``, the fraction of time doing work.
 
@@ -134,10 +141,7 @@ def expected_goodput(interval, save_seconds, mtbf_seconds, restart_seconds=0.0) 
         >>> expected_goodput(1138.4, 60, 3 * 3600, restart_seconds=300)
         0.866...
     """
-    tau = _positive(interval, "interval")
-    delta = _positive(save_seconds, "save_seconds")
-    mtbf = _positive(mtbf_seconds, "mtbf_seconds")
-    restart = _not_negative(restart_seconds, "restart_seconds")
+    tau, delta, mtbf, restart = _model(interval, save_seconds, mtbf_seconds, restart_seconds)
     return max(0.0, 1 - delta / tau - (tau / 2 + restart) / mtbf)
 
 
@@ -156,10 +160,7 @@ def exact_goodput(interval, save_seconds, mtbf_seconds, restart_seconds=0.0) -> 
         >>> exact_goodput(1138.4, 60, 3 * 3600, restart_seconds=300)
         0.873...
     """
-    tau = _positive(interval, "interval")
-    delta = _positive(save_seconds, "save_seconds")
-    mtbf = _positive(mtbf_seconds, "mtbf_seconds")
-    restart = _not_negative(restart_seconds, "restart_seconds")
+    tau, delta, mtbf, restart = _model(interval, save_seconds, mtbf_seconds, restart_seconds)
     # expm1 keeps the digits when (τ+δ)/M is small, which is the usual case.
     return tau / (mtbf * math.exp(restart / mtbf) * math.expm1((tau + delta) / mtbf))
 
@@ -183,10 +184,7 @@ def simulate_goodput(interval, save_seconds, mtbf_seconds, restart_seconds=0.0, 
         >>> simulate_goodput(1138.4, 60, 3 * 3600, 300, horizon=1e8, seed=0)["goodput"]
         0.873...
     """
-    tau = _positive(interval, "interval")
-    delta = _positive(save_seconds, "save_seconds")
-    mtbf = _positive(mtbf_seconds, "mtbf_seconds")
-    restart = _not_negative(restart_seconds, "restart_seconds")
+    tau, delta, mtbf, restart = _model(interval, save_seconds, mtbf_seconds, restart_seconds)
     horizon = _positive(horizon, "horizon")
     rng = random.Random(seed)
     now = work = lost = 0.0
