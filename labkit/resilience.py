@@ -17,6 +17,9 @@ Notebook 12's room. Three parts, from paper to processes:
    two recoveries: restart every rank from the last checkpoint (``labkit.elastic``'s recipe)
    or heal the lost replica in memory from a healthy peer (torchft's way,
    :func:`peer_recovery_plan`). :func:`lying_resumes` shows checkpoints that leave state out.
+
+One room past 800 lines because the three parts are one argument: the interval's formula
+needs the failure rate, and the real runs measure the goodput the formula predicts.
 """
 
 from __future__ import annotations
