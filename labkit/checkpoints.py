@@ -112,6 +112,11 @@ def sharded_model(*, widths=WIDTHS, tp: int = 1, seed: int = 0, lr: float = 0.05
     if world % tp:
         raise ValueError(f"tp={tp} does not divide the {world} ranks: the mesh is dp x tp, so "
                          f"use tp in {divisors(world)}")
+    if "gloo" not in str(dist.get_backend()):
+        # The model and its mesh live on the CPU; NCCL moves only CUDA tensors.
+        raise ValueError(f"these checkpoint runs keep their tensors on the CPU, which the "
+                         f"{dist.get_backend()!r} process group cannot carry: launch with "
+                         f"backend='gloo'")
     torch.manual_seed(seed)
     layers = []
     for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):

@@ -406,3 +406,11 @@ def test_step_batch_depends_on_the_step_alone():
     x, y = step_batch(3)
     assert x.shape == (8, 8) and y.shape == (8, 3)
     assert torch.equal(step_batch(3)[0], x) and not torch.equal(step_batch(4)[0], x)
+
+
+def test_a_process_group_without_gloo_is_refused_with_what_to_launch(group, monkeypatch):
+    # A GPU server's default launch is NCCL, which carries no CPU tensors: say so before
+    # building anything.
+    monkeypatch.setattr(group, "get_backend", lambda *a, **k: "nccl")
+    with pytest.raises(ValueError, match="launch with backend='gloo'"):
+        sharded_model()
