@@ -1,8 +1,9 @@
-"""Counts and sizes: the one whole-number check, and divisor and multiple suggestions for error
-messages."""
+"""Counts and sizes: the one whole-number check, the one positive-number check, and divisor and
+multiple suggestions for error messages."""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -17,6 +18,20 @@ def whole(value, name: str, *, low: int = 1, error: type[Exception] = ValueError
             or value < low):
         raise error(f"{name} must be a whole number >= {low}, got {value!r}{hint}")
     return int(value)
+
+
+def positive(value, name: str, *, what: str = "a positive number", zero: bool = False,
+             hint: str = "") -> float:
+    """``value`` as a float if it is a finite real number > 0 (>= 0 with ``zero``); else a
+    ValueError saying ``name`` must be ``what``.
+
+    As in :func:`whole`, ``True`` is refused and NumPy numbers are accepted; NaN and the
+    infinities are refused (a measured time or rate is never either). ``hint`` is appended.
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or (value < 0 if zero else value <= 0)):
+        raise ValueError(f"{name} must be {what}, got {value!r}{hint}")
+    return float(value)
 
 
 def divisors(n: int, limit: int = 8, *, proper: bool = False) -> list[int]:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ._display import wrap
-from ._sizes import whole
+from ._sizes import positive, whole
 from .profile import current, knob
 
 __all__ = ["GpuSpec", "GPUS", "DTYPES", "gpu_spec", "peak_flops", "explain_peak",
@@ -442,11 +442,7 @@ CARD_VERSION = 2  # 2: memory_GiB and allreduce_ranks, for the planner's "this m
 
 
 def _positive(value, name: str) -> float:
-    """``value`` as a float if it is a finite number > 0, else a ValueError naming it."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0):
-        raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
-    return float(value)
+    return positive(value, name, what="a positive, finite number")
 
 
 @dataclasses.dataclass

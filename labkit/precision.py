@@ -58,7 +58,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from ._display import wrap
 from ._dist import sync
-from ._sizes import whole
+from ._sizes import positive, whole
 
 __all__ = ["count_flops", "six_nd", "attention_flops", "train_step_flops", "hfu_flops", "mfu",
            "hfu", "BYTE_CATEGORIES", "mixed_precision_bytes", "training_bytes_per_param",
@@ -230,10 +230,7 @@ def hfu_flops(model_flops, forward_flops, recomputed: float = 1.0) -> float:
 
 
 def _positive(value, name: str) -> float:
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value <= 0):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
+    return positive(value, name)
 
 
 def _utilization(kind: str, flops, step_seconds, peak_flops_per_s) -> float:

@@ -34,6 +34,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ._sizes import positive, whole
+
 __all__ = [
     "young_daly_interval", "daly_interval", "exact_interval", "expected_goodput",
     "exact_goodput", "simulate_goodput", "Interruptions", "LLAMA3_405B", "mtbf_at_scale",
@@ -44,18 +46,11 @@ __all__ = [
 
 
 def _positive(value, name: str, hint: str = "") -> float:
-    """``value`` as a float if it is a finite number > 0; else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
-            or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}{hint}")
-    return float(value)
+    return positive(value, name, what="a number of seconds > 0", hint=hint)
 
 
 def _not_negative(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
-            or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-    return float(value)
+    return positive(value, name, what="a number of seconds >= 0", zero=True)
 
 
 # ---- 1. how often to save ----------------------------------------------------------------
@@ -259,7 +254,6 @@ def mtbf_at_scale(gpus: int, record: Interruptions = LLAMA3_405B, *,
         >>> mtbf_at_scale(16_384)["job_mtbf_seconds"] / 3600     # Llama 3: one every ~3.1 h
         3.09...
     """
-    from ._sizes import whole
 
     gpus = whole(gpus, "gpus")
     count = record.total if planned else record.unexpected
@@ -625,7 +619,6 @@ def resilient_training(*, steps: int = 20, faults=(), recovery: str = "peer", fo
     from torch.nn import functional as F
     from torch.nn.utils import parameters_to_vector
 
-    from ._sizes import whole
     from .ddp import save_on_rank0
     from .elastic import latest_checkpoint, resume_latest, step_batch
 
@@ -779,7 +772,6 @@ def lying_resumes(*, steps: int = 12, resume_at: int = 6, batch: int = 8, lr: fl
     import torch
     from torch.nn.utils import parameters_to_vector
 
-    from ._sizes import whole
 
     steps, resume_at = whole(steps, "steps"), whole(resume_at, "resume_at")
     if resume_at >= steps:
