@@ -169,9 +169,13 @@ def failure(error: dict | None, returncode: int, agent_log: list, logs: dict,
     # A rank that wrote an error record exited by itself after raising: not a death.
     exits = [(r, code) for r, code in _exit_codes(agent_log, pids).items()
              if run_dir is None or not (run_dir / error_file(r)).exists()]
-    # The ranks that ended unasked, in the order they ended, with what the agent recorded.
+    # The ranks that ended unasked, in the order they ended, with what the agent recorded. A
+    # rank torchrun stopped itself (its SIGTERM to the survivors of a failure) is no cause,
+    # however soon the supervisor found it gone.
     recorded = _recorded_exits(run_dir) if run_dir is not None else {}
-    ordered = sorted(dead, key=lambda r: recorded.get(r, (0, float("inf")))[1])
+    stopped = _stopped_by_agent(agent_log)
+    ordered = sorted((r for r in dead if pids.get(r) not in stopped),
+                     key=lambda r: recorded.get(r, (0, float("inf")))[1])
     exits += [(r, recorded.get(r, (None,))[0]) for r in ordered if r not in dict(exits)]
     if exits:
         rank, code = exits[0]
@@ -237,10 +241,15 @@ _SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
 _AGENT_CLOSED = re.compile(r"Sending process (\d+) closing signal")
 
 
+def _stopped_by_agent(agent_log: list) -> set[int]:
+    """The pids torchrun's agent sent its closing signal: survivors it stopped, not failures."""
+    return {int(m[1]) for line in agent_log if (m := _AGENT_CLOSED.search(line))}
+
+
 def _exit_codes(agent_log: list, pids: dict[int, int]) -> dict[int, int]:
     """rank -> non-zero exit code of every worker torchrun saw fail (-N: killed by signal N)."""
     rank_of = {pid: rank for rank, pid in pids.items()}
-    stopped = {int(m[1]) for line in agent_log if (m := _AGENT_CLOSED.search(line))}
+    stopped = _stopped_by_agent(agent_log)
     found: list[tuple[bool, int, int]] = []  # (root cause, rank, exit code) in the order said
     rank, root = None, False
     for line in agent_log:

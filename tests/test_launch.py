@@ -280,6 +280,34 @@ def test_exit_codes_read_from_torchruns_report_leave_out_the_ranks_it_stopped():
     assert _exit_codes(agent_log[1:2], {}) == {}, "a pid of no rank of this run names no rank"
 
 
+def test_a_rank_torchrun_stopped_after_a_peer_raised_is_not_named_as_the_cause(tmp_path):
+    # The race a CI run met: rank 1 raised, torchrun's agent stopped rank 0 with SIGTERM, and the
+    # supervisor found rank 0 gone without an outcome before it looked at the agent's report.
+    import json
+
+    import cloudpickle
+
+    from labkit._failures import failure, read_errors
+    from labkit._protocol import error_file, exit_file, pid_file
+
+    for rank, pid in ((0, 3785), (1, 3786)):
+        (tmp_path / pid_file(rank)).write_text(json.dumps({"pid": pid, "local_rank": rank}))
+    (tmp_path / error_file(1)).write_bytes(cloudpickle.dumps({
+        "rank": 1, "type": "ValueError", "message": "boom", "traceback": "ValueError: boom\n",
+        "exception_only": "ValueError: boom\n", "time": time.time()}))
+    (tmp_path / exit_file(3785)).write_text("-15")
+    (tmp_path / exit_file(3786)).write_text("1")
+    stopped = ["W1201 09:22:19.12 3779 multiprocessing/api.py:1028] Sending process 3785 closing "
+               "signal SIGTERM"]
+    err = failure(None, 1, stopped, {}, dead=[0], run_dir=tmp_path)
+    assert err.rank is None or err.rank != 0, "a rank torchrun stopped is no cause"
+    err = failure(read_errors(tmp_path)[0], 1, stopped, {}, dead=[0], run_dir=tmp_path)
+    assert err.rank == 1 and str(err).startswith("rank 1 failed with ValueError: boom")
+    # Without the agent's word, a rank gone without an outcome is still the cause (a SIGKILL).
+    killed = failure(None, 1, [], {}, dead=[0], run_dir=tmp_path)
+    assert killed.rank == 0 and "rank 0 was killed by SIGTERM" in str(killed)
+
+
 def test_a_huge_exception_message_is_shortened_and_kept_whole():
     with pytest.raises(LaunchError) as info:
         launch(raise_a_huge_message, nproc=2, show_ranks=[])
