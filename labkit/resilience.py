@@ -254,7 +254,6 @@ def mtbf_at_scale(gpus: int, record: Interruptions = LLAMA3_405B, *,
         >>> mtbf_at_scale(16_384)["job_mtbf_seconds"] / 3600     # Llama 3: one every ~3.1 h
         3.09...
     """
-
     gpus = whole(gpus, "gpus")
     count = record.total if planned else record.unexpected
     per_gpu = record.days * 86400 * record.gpus / count
@@ -771,7 +770,6 @@ def lying_resumes(*, steps: int = 12, resume_at: int = 6, batch: int = 8, lr: fl
     """
     import torch
     from torch.nn.utils import parameters_to_vector
-
 
     steps, resume_at = whole(steps, "steps"), whole(resume_at, "resume_at")
     if resume_at >= steps:
