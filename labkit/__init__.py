@@ -57,7 +57,8 @@ collective needs, barriers, the slowest rank's time, timed training steps), ``_s
 one whole-number check, divisor suggestions), ``_protocol`` (the launcher's contract with its
 workers: the ``Job``, the run folder's file names, the controller's variables), the engine
 that cold runs and warm workers share (``_spawn`` starts a run: the job pickled into its run
-folder, torchrun and its boot script, the sweep of orphaned folders; ``_engine`` supervises it:
+folder, torchrun and its boot script, the sweep of orphaned folders; ``_forkrank``, in
+torchrun's agent, forks a CPU run's ranks from it; ``_engine`` supervises it:
 output, failures, the clock, the stop; ``_failures`` reads how its ranks ended:
 ``LaunchError``, ``LaunchTimeout``) and ``_progress`` (``labkit.progress``, per-rank bars fed
 through the workers' output).

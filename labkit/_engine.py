@@ -25,6 +25,7 @@ from ._display import is_native_info
 from ._failures import (
     LaunchTimeout,
     await_exits,
+    await_peers,
     clean_stack,
     failure,
     rank_pids,
@@ -317,6 +318,8 @@ class _Watch:
                 # or never (torchrun takes a rank's exit code 0 for success, and waits).
                 script = self.job.mode == "script"
                 self.dead = gone or silently_dead(run.run_dir, script)
+                if gone:  # the peers' errors are the consequence: let them be written
+                    await_peers(run.run_dir, gone)
                 if self.dead and not await_exits(run.run_dir, self.dead):
                     _await_agent(run, out, task)  # let torchrun say how the rank died
                 if script and not failed:  # its exit status may have said "ended with code 0"

@@ -78,7 +78,10 @@ def clean_stack(dump: str) -> str:
         lines = block.split("\n")
         if any(ln.endswith(own_threads) for ln in lines):
             continue
-        keep.append("\n".join(ln for ln in lines
+        # A rank forked from torchrun's agent (labkit._forkrank) has the agent's frames below
+        # the fork: they end where the rank's own begin.
+        forked = next((i for i, ln in enumerate(lines) if "labkit/_forkrank.py" in ln), None)
+        keep.append("\n".join(ln for ln in lines[:forked]
                                if "labkit/_worker.py" not in ln and "<frozen runpy>" not in ln))
     return "\n\n".join(keep)
 
@@ -107,21 +110,41 @@ def silently_dead(run_dir: Path, script: bool = False) -> list[int]:
     """Ranks whose process is gone without a result or an error: killed, a native crash, or
     an exit the function did not return from (os._exit). A script's rank that exited with
     code 0 just ended (it reports no value)."""
-    import psutil
-
-    def gone(pid):
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return True
-
     # Gone first, files second: a rank that writes its result and exits in between is no death.
-    ended = [r for r, pid in rank_pids(run_dir).items() if gone(pid)]
+    ended = [r for r, pid in rank_pids(run_dir).items() if _gone(pid)]
     dead = [r for r in ended if not _has_outcome(run_dir, r)]
     if script:
         codes = _recorded_exits(run_dir)
         dead = [r for r in dead if codes.get(r, (None,))[0] != 0]
     return sorted(dead)
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def await_peers(run_dir: Path, dead: list[int], within: float = 1.0) -> bool:
+    """Wait until every rank but ``dead`` has returned, raised or ended; False if one had not
+    within ``within`` seconds.
+
+    A rank killed inside a collective makes its peers raise (a lost connection) within
+    milliseconds, on a quiet machine. Stopped before they have written it, they would leave
+    no trace of the consequence, and the report would tell the cause alone.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        waiting = [r for r, pid in rank_pids(run_dir).items()
+                   if r not in dead and not _has_outcome(run_dir, r) and not _gone(pid)]
+        if not waiting:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _has_outcome(run_dir: Path, rank: int) -> bool:

@@ -23,6 +23,10 @@ import signal
 CONTROLLER_PID = "LABKIT_CONTROLLER_PID"
 CONTROLLER_START = "LABKIT_CONTROLLER_START"
 
+# "1" in torchrun's environment: its agent forks the ranks instead of starting new interpreters
+# (labkit._forkrank); "0": new interpreters, as torchrun does by itself.
+FORK_RANKS = "LABKIT_FORK_RANKS"
+
 STACK_SIGNAL = signal.SIGUSR1  # a rank dumps every thread's Python stack on this signal
 RUN_PREFIX = "labkit-run-"  # run folders are tempfile.mkdtemp(prefix=RUN_PREFIX)
 JOB_FILE = "job.pkl"

@@ -27,6 +27,7 @@ from pathlib import Path
 from ._protocol import (
     CONTROLLER_PID,
     CONTROLLER_START,
+    FORK_RANKS,
     JOB_FILE,
     RUN_PREFIX,
     Job,
@@ -293,6 +294,8 @@ _AGENT_BOOT = (
     "        import ctypes; ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))\n"
     "    if os.getppid() != parent: sys.exit('labkit: controller exited before start')\n"
     "    sys.argv = ['torchrun'] + sys.argv[2:]\n"
+    "    if os.environ.get('LABKIT_FORK_RANKS') == '1':\n"
+    "        from labkit import _forkrank; _forkrank.prefork(sys.argv); _forkrank.install()\n"
     "    import runpy\n"
     "    runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)\n"
     "finally:\n"
@@ -302,10 +305,21 @@ _AGENT_BOOT = (
 )
 
 
-def worker_env(nproc: int, gpus: int, extra: dict | None = None) -> dict:
+def worker_env(nproc: int, gpus: int, extra: dict | None = None,
+               framework: str = "torch") -> dict:
     """The controller's environment, the caller's ``env`` over it, and what the workers need."""
     env = dict(os.environ)
     env.update(extra or {})
+    # A torch run on CPUs forks its ranks from torchrun's agent, which has imported torch
+    # already: a rank then starts in a fraction of the time (labkit._forkrank). Never for
+    # CUDA (initialised in no fork's parent is the rule it keeps simple) or TensorFlow (its
+    # ranks stay torch-free), and only on Linux (macOS's system libraries refuse work in a
+    # child forked from a process that has loaded them, which is why Python spawns there).
+    # LABKIT_FORK_RANKS=0 in the environment starts every rank afresh.
+    if gpus or framework != "torch" or not sys.platform.startswith("linux"):
+        env[FORK_RANKS] = "0"
+    else:
+        env.setdefault(FORK_RANKS, "1")
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the cell as they are printed
     env[CONTROLLER_PID] = str(os.getpid())
     env[CONTROLLER_START] = process_start_time(os.getpid()) or ""

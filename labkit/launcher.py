@@ -162,7 +162,7 @@ def launch(
                                    max_restarts)
         if nnodes > 1:
             _print_other_nodes(fn, nproc, nnodes, node_rank, rdzv_endpoint)
-        started.append(start(run_dir, command, worker_env(nproc, gpus, extra_env)))
+        started.append(start(run_dir, command, worker_env(nproc, gpus, extra_env, job.framework)))
         return supervise(started[0], job, nproc, timeout, show_ranks, command, max_restarts)
 
 

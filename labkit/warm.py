@@ -211,7 +211,7 @@ class Workers:
                 self._fifos.append(os.open(path, os.O_RDWR))
             write_job(self._run_dir, self._job)
             self._command = torchrun_command(self._run_dir, self.nproc, 1, 0, None)
-            self._base_env = worker_env(self.nproc, self._gpus, self.env)
+            self._base_env = worker_env(self.nproc, self._gpus, self.env, self.framework)
             self._tasks = 0
             self._run = start(self._run_dir, self._command, self._base_env)
             supervise(self._run, self._job, self.nproc, None, None, self._command,
@@ -271,7 +271,7 @@ class Workers:
 
     def _env_changes(self) -> dict[str, str | None]:
         """What a cold run started now would see differently in its environment."""
-        now = worker_env(self.nproc, self._gpus, self.env)
+        now = worker_env(self.nproc, self._gpus, self.env, self.framework)
         changes: dict[str, str | None] = {k: v for k, v in now.items()
                                           if self._base_env.get(k) != v}
         changes.update((k, None) for k in self._base_env if k not in now)

@@ -308,6 +308,34 @@ def test_a_rank_torchrun_stopped_after_a_peer_raised_is_not_named_as_the_cause(t
     assert killed.rank == 0 and "rank 0 was killed by SIGTERM" in str(killed)
 
 
+def test_after_a_silent_death_the_supervisor_waits_briefly_for_the_peers_consequence(tmp_path):
+    # Rank 1 was killed in a collective; rank 0 (a live process here) has not yet written the
+    # lost connection it will raise. Stopped at once, the report would tell the cause alone.
+    import json
+    import subprocess
+    import sys
+
+    from labkit._failures import await_peers
+    from labkit._protocol import error_file, pid_file
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for rank, pid in ((0, peer.pid), (1, 2 ** 22 + 12345)):  # rank 1's pid: long gone
+            (tmp_path / pid_file(rank)).write_text(json.dumps({"pid": pid, "local_rank": rank}))
+        began = time.monotonic()
+        assert not await_peers(tmp_path, [1], within=0.3), "rank 0 is alive and silent"
+        assert 0.3 <= time.monotonic() - began < 5
+        threading.Timer(0.2, lambda: (tmp_path / error_file(0)).write_bytes(b"x")).start()
+        assert await_peers(tmp_path, [1], within=10), "rank 0's error record came"
+        (tmp_path / error_file(0)).unlink()
+        peer.kill()
+        peer.wait()
+        assert await_peers(tmp_path, [1], within=0), "rank 0 ended: nothing to wait for"
+    finally:
+        peer.kill()
+        peer.wait()
+
+
 def test_a_huge_exception_message_is_shortened_and_kept_whole():
     with pytest.raises(LaunchError) as info:
         launch(raise_a_huge_message, nproc=2, show_ranks=[])
@@ -356,6 +384,8 @@ def test_timeout_names_the_stuck_rank_with_its_stack(tmp_path):
     assert "Stuck rank(s): 0" in str(err)
     assert "in all_reduce" in err.stacks[0] and "skip_collective_on_rank_1" in err.stacks[0]
     assert "_watch_controller" not in err.stacks[0], "labkit's own threads are left out"
+    # A rank forked from torchrun's agent: the agent's frames below the fork are left out too.
+    assert "torch/distributed/run.py" not in err.stacks[0] and "_forkrank" not in err.stacks[0]
     assert not wait_no_workers(os.getpid(), within=5.0)
 
 
@@ -713,8 +743,8 @@ def test_stray_workers_lists_a_running_launch_and_nothing_after_it():
         deadline = time.monotonic() + 60
         while not done.is_set() and time.monotonic() < deadline:
             seen = stray_workers()
-            # torchrun's agent and both workers: the agent's command line names the worker
-            # module too, so two matches can be the agent and one worker.
+            # torchrun's agent and both workers: a worker forked from the agent has its
+            # command line, and the agent's names the worker module too.
             if sum("-m labkit._worker" in s for s in seen) >= 3:
                 started = {p.pid for p in workers_of(os.getpid())}
                 break
