@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import shutil
 import sys
+import time
 
 import cloudpickle
 import numpy as np
@@ -207,7 +208,14 @@ def test_log_readers_refuse_the_wrong_shape_of_input():
 def test_flight_recorder_lists_this_ranks_collectives_and_dumps_them(group, capsys):
     group.all_reduce(torch.ones(3))
     group.barrier()
-    entries = diagnose.flight_recorder()  # the recorder keeps earlier tests' entries too
+    # The recorder counts a gloo collective completed a moment after the call returned: on a
+    # busy machine (a CI run) the barrier read "not completed" when asked at once.
+    deadline = time.monotonic() + 10
+    while True:
+        entries = diagnose.flight_recorder()  # the recorder keeps earlier tests' entries too
+        if entries[-1]["completed"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     reduce, barrier = entries[-2:]
     assert ((reduce["op"], reduce["shape"], barrier["op"])
             == ("gloo:all_reduce", "[[3]]", "gloo:barrier"))
